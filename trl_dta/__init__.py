@@ -1,0 +1,12 @@
+"""trl-dta: Dynamic Tree Attention for TRL.
+
+RL post-training (GRPO, RLOO) scores many rollouts that share prefixes. trl-dta runs the policy through the prefix tree
+of a batch depth-first, so that every shared prefix is computed once in the forward and once in the backward pass,
+with results equal to the dense computation.
+"""
+
+from .tree import PrefixTree, Segment
+
+__version__ = "0.1.0"
+
+__all__ = ["PrefixTree", "Segment", "__version__"]
