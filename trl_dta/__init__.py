@@ -5,8 +5,9 @@ of a batch depth-first, so that every shared prefix is computed once in the forw
 with results equal to the dense computation.
 """
 
+from .engine import DTAEngine, DTAOutput
 from .tree import PrefixTree, Segment
 
 __version__ = "0.1.0"
 
-__all__ = ["PrefixTree", "Segment", "__version__"]
+__all__ = ["DTAEngine", "DTAOutput", "PrefixTree", "Segment", "__version__"]

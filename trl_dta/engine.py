@@ -1,0 +1,543 @@
+"""DTAEngine: the depth-first walk over a prefix tree, forward and backward.
+
+One traversal serves both entry points: [`DTAEngine.logprobs`] (no grad) and [`DTAEngine.forward_backward`]
+(training). For each segment of the tree (see `tree.py`):
+
+- **Push** (`_enter`): forward the segment's tokens with the path's keys/values as the attention prefix
+  (positions continue the path), score its positions with the LM head, and push its keys/values. In training the
+  pushed keys/values and the segment's log-probs/entropies are autograd leaves: descendants accumulate their
+  gradients there. The segment's own graph is either kept (*keep* mode) or dropped and recomputed later in blocks
+  of `block_size` tokens (*recompute* mode, token-wise checkpointing), chosen per segment from `max_graph_tokens`.
+- **Fork logits**: the last position of a segment predicts the first token of each child; its log-prob is scored
+  once per child at push time (the hidden state is shared).
+- **Visit**: a sequence ending at a segment gets its log-prob vector from the pieces on the path and `loss_fn` is
+  called; its backward stops at the leaves (and runs through the segment's own graph for leaf batches).
+- **Sibling batching**: the leaf children of a segment (segments without children) are forwarded together, right-
+  padded, with the path's keys/values broadcast, at most `max_batch_tokens` padded tokens per forward, and
+  back-propagated with one backward call. A leaf's private suffix is thus forwarded exactly once, with grad.
+- **Pop** (`_exit`): inject the accumulated gradients of the segment's keys/values and log-probs as the incoming
+  gradients of its graph (`torch.autograd.backward(outputs, grads)`); in recompute mode, re-forward the blocks last
+  to first with grad, each block's gradient including what later blocks sent to it.
+
+Every shared token is therefore forwarded once and back-propagated once (plus one re-forward in recompute mode), and
+the parameter gradients are exactly those of the dense per-sequence computation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from . import attention
+from .attention import AttentionContext
+from .kv_stack import Frame, KVStack
+from .lm_head import HeadSpec, head_logprobs
+from .tree import PrefixTree
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[int, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+# Model families whose equivalence with the dense path is covered by the test suite. Others run if their attention
+# goes through transformers' AttentionInterface (checked on every forward), with a one-time warning.
+TESTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "gemma3", "phi3"})
+_UNSUPPORTED_ROPE = frozenset({"dynamic"})
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, msg: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(msg)
+
+
+@dataclass
+class DTAOutput:
+    """Result of an engine call.
+
+    Args:
+        loss (`torch.Tensor`, *optional*): detached sum of the `loss_fn` values (None for `logprobs`).
+        logps (`list[torch.Tensor]`): per sequence, detached, shape `(len_i - 1,)`.
+        entropies (`list[torch.Tensor]`, *optional*): per sequence, same shapes, when asked.
+        stats (`dict`): tree shape and work done (see [`DTAEngine`]).
+    """
+
+    loss: torch.Tensor | None
+    logps: list[torch.Tensor]
+    entropies: list[torch.Tensor] | None
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class _SegState:
+    """A segment on the current path: its scored outputs and how to back-propagate it."""
+
+    seg: int
+    out_lp: torch.Tensor  # (n_out,) leaf in training: internal targets, then one fork per child
+    out_ent: torch.Tensor | None
+    n_frames: int
+    graph: tuple | None = None  # keep mode: (kv per layer, lp, ent) with autograd history
+    blocks: list[tuple[int, int]] | None = None  # recompute mode: block bounds within the segment
+
+
+def _causal_lm(model):
+    """The transformers causal LM inside `model` (unwraps a PEFT model; its LoRA layers stay active)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not hasattr(base, "get_output_embeddings") or base.get_output_embeddings() is None:
+        raise TypeError(f"{type(base).__name__} has no output embeddings: DTAEngine needs a causal language model.")
+    return base
+
+
+class DTAEngine:
+    """Dynamic Tree Attention over a Hugging Face decoder-only causal LM.
+
+    Args:
+        model (`transformers.PreTrainedModel` or `peft.PeftModel`): the policy. Its attention implementation is switched
+            to the engine's only during engine calls; HF gradient checkpointing is suspended during them too (the
+            engine's own recompute replaces it).
+        block_size (`int`, *optional*, defaults to `1024`): tokens per re-forward block in recompute mode.
+        max_batch_tokens (`int`, *optional*, defaults to `8192`): padded-token budget of one forward of sibling leaves.
+        max_graph_tokens (`int`, *optional*): memory budget, in tokens of kept autograd graph (the path's kept segments
+            plus the running forward). A segment that would exceed it is recomputed in blocks. None keeps every graph
+            (fastest: no token is forwarded twice). With `0`, the live graph never exceeds `block_size` tokens (or one
+            sibling leaf).
+        lm_head_chunk_size (`int`, *optional*, defaults to `4096`): rows projected through the LM head at once.
+
+    Stats of the last call (`engine.last_stats`, also `DTAOutput.stats`): `sequences`, `tokens`, `tree_tokens`,
+    `compression_ratio`, `forward_tokens` (real tokens forwarded, recompute included), `padded_tokens` (with sibling
+    padding), `recomputed_tokens`, `peak_graph_tokens`, `forwards`, `backwards`, `seconds`.
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        block_size: int = 1024,
+        max_batch_tokens: int = 8192,
+        max_graph_tokens: int | None = None,
+        lm_head_chunk_size: int = 4096,
+    ):
+        for name, value in (("block_size", block_size), ("max_batch_tokens", max_batch_tokens),
+                            ("lm_head_chunk_size", lm_head_chunk_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+        if max_graph_tokens is not None and (not isinstance(max_graph_tokens, int) or max_graph_tokens < 0):
+            raise ValueError(f"`max_graph_tokens` must be None or a non-negative integer, got {max_graph_tokens!r}")
+        self.model = model
+        self.block_size = block_size
+        self.max_batch_tokens = max_batch_tokens
+        self.max_graph_tokens = max_graph_tokens
+        self.lm_head_chunk_size = lm_head_chunk_size
+        self.last_stats: dict = {}
+        lm = _causal_lm(model)
+        self._config = lm.config.get_text_config()
+        if getattr(lm.config, "is_encoder_decoder", False):
+            raise TypeError("DTAEngine supports decoder-only causal LMs, not encoder-decoder models.")
+        self._check_config(self._config)
+        self.n_layers = self._config.num_hidden_layers
+        attention.register()
+
+    # ------------------------------------------------------------------ model checks and modes
+
+    @staticmethod
+    def _check_config(config) -> None:
+        model_type = getattr(config, "model_type", "?")
+        if model_type not in TESTED_MODEL_TYPES:
+            _warn_once(
+                f"type:{model_type}",
+                f"DTAEngine: model type '{model_type}' is not among the tested families {sorted(TESTED_MODEL_TYPES)}; "
+                "it runs if its attention layers use transformers' AttentionInterface.",
+            )
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        params = list(rope.values()) if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]
+        for p in params:
+            kind = (p or {}).get("rope_type", (p or {}).get("type"))
+            if kind in _UNSUPPORTED_ROPE:
+                raise NotImplementedError(
+                    f"rope_type '{kind}' rescales positions from the length of each forward call, so a prefix and its "
+                    "continuation would use different frequencies; DTA cannot reproduce the dense result. Use a model "
+                    "with static RoPE scaling."
+                )
+
+    def _lm(self):
+        return _causal_lm(self.model)
+
+    @contextlib.contextmanager
+    def _dta_mode(self, lm):
+        """Route attention through the engine and suspend HF gradient checkpointing, restoring both on exit."""
+        configs = {id(m.config): m.config for m in lm.modules() if hasattr(getattr(m, "config", None),
+                                                                            "_attn_implementation")}
+        configs[id(lm.config)] = lm.config
+        saved = {k: c._attn_implementation for k, c in configs.items()}
+        checkpointed = [m for m in lm.modules() if getattr(m, "gradient_checkpointing", False) is True]
+        if checkpointed:
+            _warn_once(
+                "ckpt",
+                "DTAEngine: HF gradient checkpointing is suspended during engine calls (it drops the key/value prefix); "
+                "set `max_graph_tokens` to bound memory with the engine's own recompute instead.",
+            )
+        try:
+            for c in configs.values():
+                c._attn_implementation = attention.ATTN_IMPLEMENTATION
+            for m in checkpointed:
+                m.gradient_checkpointing = False
+            yield
+        finally:
+            for k, c in configs.items():
+                c._attn_implementation = saved[k]
+            for m in checkpointed:
+                m.gradient_checkpointing = True
+
+    def _check_training_mode(self, lm) -> None:
+        if not lm.training:
+            return
+        for name, m in lm.named_modules():
+            if isinstance(m, torch.nn.Dropout) and m.p > 0:
+                raise ValueError(
+                    f"dropout is active in training mode ({name}: p={m.p}); DTA cannot reproduce the random dropout "
+                    "masks of the dense path. Set the dropout probabilities to 0 or call model.eval()."
+                )
+        if getattr(self._config, "attention_dropout", 0.0):
+            raise ValueError(
+                f"attention_dropout={self._config.attention_dropout} is active in training mode; DTA cannot reproduce "
+                "it. Set `attention_dropout=0` in the model config or call model.eval()."
+            )
+
+    def _tree(self, seqs) -> PrefixTree:
+        tree = seqs if isinstance(seqs, PrefixTree) else PrefixTree.from_sequences(seqs)
+        if tree.n_sequences == 0:
+            raise ValueError("`seqs` is empty: pass at least one sequence.")
+        limit = getattr(self._config, "max_position_embeddings", None)
+        if limit is not None and tree.max_path_len > limit:
+            i = max(range(tree.n_sequences), key=tree.lengths.__getitem__)
+            raise ValueError(
+                f"sequence {i} has {tree.lengths[i]} tokens, more than the model's max_position_embeddings ({limit}); "
+                "truncate the sequences (e.g. `max_prompt_length` / `max_completion_length`)."
+            )
+        vocab = self._config.vocab_size
+        for i, s in enumerate(tree.seqs):
+            if len(s) and (int(s.min()) < 0 or int(s.max()) >= vocab):
+                raise ValueError(f"sequence {i} has token ids outside [0, {vocab}) (the model's vocab_size).")
+        return tree
+
+    # ------------------------------------------------------------------ public API
+
+    @torch.no_grad()
+    def logprobs(self, seqs: Sequence | PrefixTree, *, temperature: float = 1.0, entropy: bool = False) -> DTAOutput:
+        """Per-sequence next-token log-probs (and entropies), without grad.
+
+        Args:
+            seqs (`list[torch.LongTensor | list[int]]` or `PrefixTree`): the sequences.
+            temperature (`float`, *optional*, defaults to `1.0`): logits are divided by it.
+            entropy (`bool`, *optional*, defaults to `False`): also return the entropies.
+
+        Returns:
+            [`DTAOutput`] with `logps[i][t - 1] = log p(s_i[t] | s_i[:t])` for `t = 1 .. len_i - 1`.
+        """
+        return _Walk(self, self._tree(seqs), None, temperature, entropy).run()
+
+    def forward_backward(
+        self, seqs: Sequence | PrefixTree, loss_fn: LossFn, *, temperature: float = 1.0, entropy: bool = False
+    ) -> DTAOutput:
+        """Run `sum_i loss_fn(i, logps_i, entropy_i)` forward and backward through the tree.
+
+        Afterwards every parameter's `.grad` has been increased by exactly what
+        `sum_i loss_fn(i, dense_logps_i, dense_entropy_i).backward()` would add.
+
+        Args:
+            seqs (`list[torch.LongTensor | list[int]]` or `PrefixTree`): the sequences.
+            loss_fn (`Callable[[int, Tensor, Tensor | None], Tensor]`): scalar loss of sequence `i` from its log-probs
+                `(len_i - 1,)` and entropies (or None); any differentiable function of the whole vectors.
+            temperature (`float`, *optional*, defaults to `1.0`): logits are divided by it.
+            entropy (`bool`, *optional*, defaults to `False`): compute entropies and pass them to `loss_fn`.
+
+        Returns:
+            [`DTAOutput`] with the detached total loss and per-sequence log-probs (and entropies).
+        """
+        if not callable(loss_fn):
+            raise TypeError("`loss_fn` must be a callable (i, logps_i, entropy_i) -> scalar tensor")
+        return _Walk(self, self._tree(seqs), loss_fn, temperature, entropy).run()
+
+
+class _Walk:
+    """State of one engine call: the tree, the K/V stack, the path's segment states, results and counters."""
+
+    def __init__(self, engine: DTAEngine, tree: PrefixTree, loss_fn: LossFn | None, temperature: float,
+                 entropy: bool):
+        if temperature <= 0:
+            raise ValueError(f"`temperature` must be positive, got {temperature}")
+        self.e = engine
+        self.tree = tree
+        self.loss_fn = loss_fn
+        self.train = loss_fn is not None
+        self.temperature = temperature
+        self.want_ent = entropy
+        self.lm = engine._lm()
+        self.backbone = self.lm.get_decoder()
+        self.head = HeadSpec.from_model(self.lm)
+        self.device = self.lm.get_output_embeddings().weight.device
+        self.stack = KVStack(engine.n_layers)
+        self.path: list[_SegState] = []
+        segs = tree.segments
+        self.tokens = [tree.tokens(s.index).to(self.device) for s in segs]
+        # Index in the parent's outputs of the log-prob of each segment's first token.
+        self.fork_index = [0] * len(segs)
+        self.fork_targets: list[torch.Tensor | None] = [None] * len(segs)
+        for s in segs:
+            for j, c in enumerate(s.children):
+                self.fork_index[c] = s.length - 1 + j
+            if s.children:
+                self.fork_targets[s.index] = torch.stack([self.tokens[c][0] for c in s.children])
+        self.subtree = tree.subtree_tokens()
+        self.logps: list[torch.Tensor | None] = [None] * tree.n_sequences
+        self.ents: list[torch.Tensor | None] = [None] * tree.n_sequences
+        self.total = None
+        self._pending = None  # sum of the losses visited since the last backward
+        self.live = 0
+        self.stats = dict(forward_tokens=0, padded_tokens=0, recomputed_tokens=0, peak_graph_tokens=0, forwards=0,
+                          backwards=0)
+
+    # ------------------------------------------------------------------ driver
+
+    def run(self) -> DTAOutput:
+        t0 = time.perf_counter()
+        self.e._check_training_mode(self.lm) if self.train else None
+        with self.e._dta_mode(self.lm), torch.set_grad_enabled(self.train):
+            todo: list[tuple[str, int]] = [("children", -1)]
+            while todo:
+                kind, s = todo.pop()
+                if kind == "enter":
+                    self._enter(s)
+                elif kind == "exit":
+                    self._exit(s)
+                else:
+                    todo.extend(self._children(s))
+            for i in self.tree.empty:
+                self._visit(i, -1, self._empty(), self._empty() if self.want_ent else None)
+            self._backward_total()
+        tree = self.tree
+        self.stats.update(sequences=tree.n_sequences, tokens=tree.n_tokens, tree_tokens=tree.n_tree_tokens,
+                          compression_ratio=tree.compression_ratio, seconds=time.perf_counter() - t0)
+        self.e.last_stats = dict(self.stats)
+        loss = None
+        if self.train:
+            loss = self.total if self.total is not None else torch.zeros((), device=self.device)
+        return DTAOutput(loss, self.logps, self.ents if self.want_ent else None, dict(self.stats))
+
+    def _empty(self) -> torch.Tensor:
+        dtype = self.lm.get_output_embeddings().weight.dtype
+        dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        return torch.zeros(0, device=self.device, dtype=dtype)
+
+    def _children(self, s: int) -> list[tuple[str, int]]:
+        """Run the leaf children of `s` in sibling batches; return the events for its internal children (LIFO)."""
+        segs = self.tree.segments
+        kids = self.tree.roots if s < 0 else segs[s].children
+        leaves = sorted((c for c in kids if not segs[c].children), key=lambda c: segs[c].length)
+        for batch in self._batches(leaves):
+            if len(batch) == 1 and not self._fits(segs[batch[0]].length):
+                self._enter(batch[0])  # too large to keep its graph: recompute mode, as an internal segment
+                self._exit(batch[0])
+            else:
+                self._run_leaves(batch)
+        internal = sorted((c for c in kids if segs[c].children), key=lambda c: self.subtree[c])
+        events = []
+        for c in reversed(internal):
+            events += [("exit", c), ("children", c), ("enter", c)]
+        return events
+
+    def _fits(self, n_tokens: int) -> bool:
+        budget = self.e.max_graph_tokens
+        return not self.train or budget is None or self.live + n_tokens <= budget
+
+    def _batches(self, leaves: list[int]) -> list[list[int]]:
+        segs, out, cur = self.tree.segments, [], []
+        for c in leaves:  # sorted by length: the padded size of a batch is its last leaf times its size
+            length = segs[c].length
+            if cur and ((len(cur) + 1) * length > self.e.max_batch_tokens or not self._fits((len(cur) + 1) * length)):
+                out.append(cur)
+                cur = []
+            cur.append(c)
+        if cur:
+            out.append(cur)
+        return out
+
+    # ------------------------------------------------------------------ model calls
+
+    def _forward(self, ids: torch.Tensor, n_real: int):
+        """Forward `ids` `(batch, length)` after the current path. Returns hidden `(batch, length, hidden)` and the
+        new keys/values per layer, each `(batch, n_kv_heads, length, head_dim)`."""
+        batch, length = ids.shape
+        ctx = AttentionContext(self.stack)
+        start = self.stack.length
+        positions = torch.arange(start, start + length, device=self.device).expand(batch, length)
+        out = self.backbone(input_ids=ids, position_ids=positions, use_cache=False, dta_ctx=ctx)
+        if ctx.calls != self.e.n_layers or len(ctx.record) != self.e.n_layers:
+            raise NotImplementedError(
+                f"{type(self.lm).__name__}: {ctx.calls} attention calls through transformers' AttentionInterface for "
+                f"{self.e.n_layers} layers; DTA needs every layer to use it, so this model is not supported."
+            )
+        self.stats["forwards"] += 1
+        self.stats["forward_tokens"] += n_real
+        self.stats["padded_tokens"] += batch * length
+        graph = self.live + (batch * length if torch.is_grad_enabled() else 0)
+        self.stats["peak_graph_tokens"] = max(self.stats["peak_graph_tokens"], graph)
+        kv = [ctx.record[layer] for layer in range(self.e.n_layers)]
+        return out.last_hidden_state, kv
+
+    def _score(self, hidden: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor):
+        """Log-probs (and entropies) of `targets` at rows `positions` of `hidden` `(length, hidden_size)`."""
+        return head_logprobs(self.head, hidden[positions], targets, temperature=self.temperature,
+                             entropy=self.want_ent, chunk_size=self.e.lm_head_chunk_size)
+
+    def _block_targets(self, s: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scored positions (relative to `lo`) and targets of block `[lo, hi)` of segment `s`, in output order:
+        internal next tokens, then (if the block ends the segment) the first token of each child."""
+        tok, length = self.tokens[s], self.tree.segments[s].length
+        inner = min(hi, length - 1)
+        pos = torch.arange(0, max(inner - lo, 0), device=self.device)
+        tgt = tok[lo + 1 : inner + 1]
+        forks = self.fork_targets[s]
+        if hi == length and forks is not None:
+            pos = torch.cat([pos, torch.full((len(forks),), length - 1 - lo, device=self.device)])
+            tgt = torch.cat([tgt, forks])
+        return pos, tgt
+
+    def _out_range(self, s: int, lo: int, hi: int) -> tuple[int, int]:
+        seg = self.tree.segments[s]
+        return lo, (hi if hi < seg.length else seg.length - 1 + len(seg.children))
+
+    # ------------------------------------------------------------------ push / visit / pop
+
+    def _leaf(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """Detached copy that collects gradients (float32 for half precision, so many children sum accurately)."""
+        if t is None or not self.train:
+            return t
+        t = t.detach()
+        if t.dtype in (torch.float16, torch.bfloat16):
+            t = t.float()
+        return t.requires_grad_()
+
+    def _enter(self, s: int) -> None:
+        seg = self.tree.segments[s]
+        length = seg.length
+        if not self.train or self._fits(length):
+            hidden, kv = self._forward(self.tokens[s][None], length)
+            lp, ent = self._score(hidden[0], *self._block_targets(s, 0, length))
+            self.stack.push(Frame([self._leaf(k) for k, _ in kv], [self._leaf(v) for _, v in kv], length))
+            graph = (kv, lp, ent) if self.train else None
+            state = _SegState(s, self._leaf(lp), self._leaf(ent), 1, graph=graph)
+            if self.train:
+                self.live += length
+        else:
+            blocks = [(lo, min(lo + self.e.block_size, length)) for lo in range(0, length, self.e.block_size)]
+            lps, ents = [], []
+            with torch.no_grad():
+                for lo, hi in blocks:
+                    hidden, kv = self._forward(self.tokens[s][None, lo:hi], hi - lo)
+                    lp, ent = self._score(hidden[0], *self._block_targets(s, lo, hi))
+                    lps.append(lp)
+                    ents.append(ent)
+                    self.stack.push(Frame([self._leaf(k) for k, _ in kv], [self._leaf(v) for _, v in kv], hi - lo))
+            ent = torch.cat(ents) if self.want_ent else None
+            state = _SegState(s, self._leaf(torch.cat(lps)), self._leaf(ent), len(blocks), blocks=blocks)
+        self.path.append(state)
+        for i in seg.ends:
+            self._visit(i, s, state.out_lp[: length - 1], None if state.out_ent is None else state.out_ent[: length - 1],
+                        ancestors=self.path[:-1])
+        self._backward_total()
+
+    def _exit(self, s: int) -> None:
+        state = self.path.pop()
+        if not self.train:
+            for _ in range(state.n_frames):
+                self.stack.pop()
+            return
+        if state.graph is not None:
+            frame = self.stack.pop()
+            kv, lp, ent = state.graph
+            self._inject(frame, kv, (lp, state.out_lp.grad), (ent, None if ent is None else state.out_ent.grad))
+            self.live -= self.tree.segments[s].length
+            return
+        for lo, hi in reversed(state.blocks):
+            frame = self.stack.pop()
+            hidden, kv = self._forward(self.tokens[s][None, lo:hi], hi - lo)
+            lp, ent = self._score(hidden[0], *self._block_targets(s, lo, hi))
+            self.stats["recomputed_tokens"] += hi - lo
+            a, b = self._out_range(s, lo, hi)
+            g_lp = None if state.out_lp.grad is None else state.out_lp.grad[a:b]
+            g_ent = None if ent is None or state.out_ent.grad is None else state.out_ent.grad[a:b]
+            self._inject(frame, kv, (lp, g_lp), (ent, g_ent))
+
+    def _inject(self, frame: Frame, kv, *outputs) -> None:
+        """Back-propagate a segment's graph with the gradients accumulated on its leaves."""
+        tensors, grads = [], []
+        for (k, v), k_leaf, v_leaf in zip(kv, frame.keys, frame.values):
+            for t, leaf in ((k, k_leaf), (v, v_leaf)):
+                if leaf.grad is not None:
+                    tensors.append(t)
+                    grads.append(leaf.grad.to(t.dtype))
+        for t, g in outputs:
+            if t is not None and g is not None and t.requires_grad:
+                tensors.append(t)
+                grads.append(g.to(t.dtype))
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+            self.stats["backwards"] += 1
+
+    def _run_leaves(self, batch: list[int]) -> None:
+        """Forward sibling leaves (no children) in one right-padded batch, visit their sequences, backward once."""
+        segs = self.tree.segments
+        lengths = [segs[c].length for c in batch]
+        width = max(lengths)
+        ids = torch.zeros(len(batch), width, dtype=torch.long, device=self.device)
+        for row, c in enumerate(batch):
+            ids[row, : lengths[row]] = self.tokens[c]
+        hidden, _ = self._forward(ids, sum(lengths))
+        rows = torch.cat([torch.full((n - 1,), r, device=self.device) for r, n in enumerate(lengths)])
+        cols = torch.cat([torch.arange(n - 1, device=self.device) for n in lengths])
+        targets = torch.cat([self.tokens[c][1:] for c in batch])
+        lp, ent = head_logprobs(self.head, hidden[rows, cols], targets, temperature=self.temperature,
+                                entropy=self.want_ent, chunk_size=self.e.lm_head_chunk_size)
+        lps = lp.split([n - 1 for n in lengths])
+        ents = ent.split([n - 1 for n in lengths]) if ent is not None else [None] * len(batch)
+        for c, lp_c, ent_c in zip(batch, lps, ents):
+            for i in segs[c].ends:
+                self._visit(i, c, lp_c, ent_c, ancestors=self.path)
+        self._backward_total()
+
+    def _visit(self, i: int, last_seg: int, last_lp, last_ent, ancestors: Sequence[_SegState] = ()) -> None:
+        """Assemble sequence `i`'s vectors from its ancestors' pieces and its last segment's, and call the loss."""
+        lp_parts, ent_parts = [], []
+        for k, a in enumerate(ancestors):
+            n = self.tree.segments[a.seg].length - 1
+            child = ancestors[k + 1].seg if k + 1 < len(ancestors) else last_seg
+            f = self.fork_index[child]
+            lp_parts += [a.out_lp[:n], a.out_lp[f : f + 1]]
+            if self.want_ent:
+                ent_parts += [a.out_ent[:n], a.out_ent[f : f + 1]]
+        lp = torch.cat(lp_parts + [last_lp]) if lp_parts else last_lp
+        ent = None
+        if self.want_ent:
+            ent = torch.cat(ent_parts + [last_ent]) if ent_parts else last_ent
+        self.logps[i] = lp.detach()
+        if self.want_ent:
+            self.ents[i] = ent.detach()
+        if self.train:
+            loss = self.loss_fn(i, lp, ent)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} for sequence {i}")
+            loss = loss.reshape(())
+            self.total = loss.detach() if self.total is None else self.total + loss.detach()
+            self._pending = loss if self._pending is None else self._pending + loss
+
+    def _backward_total(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.requires_grad:
+            pending.backward()
+            self.stats["backwards"] += 1

@@ -1,0 +1,76 @@
+"""Per-layer keys/values of the current root-to-leaf path.
+
+The engine walks the prefix tree depth-first. The stack holds, for every layer, the post-RoPE keys and values of the
+tokens on the current path, as a list of *frames* (one per forwarded block of a segment):
+
+```
+frame:        f0 (root, 600 tok)   f1 (turn 1, 120 tok)   f2 (turn 2, 80 tok)
+keys[l]:      (1, H_kv, 600, D)    (1, H_kv, 120, D)      (1, H_kv, 80, D)     -> prefix(l): (1, H_kv, 800, D)
+```
+
+In training the frame tensors are autograd *leaves* (detached, `requires_grad=True`): every descendant's backward
+accumulates its gradient into `frame.keys[l].grad`, and when the frame is popped the engine injects that sum as the
+incoming gradient of the segment's own graph. For half-precision models the leaves are kept in float32, so the
+gradients of many descendants are summed in float32 (the attention casts them back to the compute dtype).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Frame:
+    """Keys and values of one forwarded block.
+
+    Args:
+        keys (`list[torch.Tensor]`): per layer, shape `(1, n_kv_heads, length, head_dim)`.
+        values (`list[torch.Tensor]`): per layer, same shape as `keys`.
+        length (`int`): tokens in the block.
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    length: int
+    extra: dict = field(default_factory=dict)
+
+    def grads(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """Accumulated gradients of the keys and values (None where nothing flowed in)."""
+        return [k.grad for k in self.keys], [v.grad for v in self.values]
+
+
+class KVStack:
+    """The frames of the current path, with the concatenated prefix per layer."""
+
+    def __init__(self, n_layers: int):
+        self.n_layers = n_layers
+        self.frames: list[Frame] = []
+
+    @property
+    def length(self) -> int:
+        """Tokens on the path (the position id of the next token)."""
+        return sum(f.length for f in self.frames)
+
+    def push(self, frame: Frame) -> None:
+        if len(frame.keys) != self.n_layers or len(frame.values) != self.n_layers:
+            raise RuntimeError(f"frame has {len(frame.keys)} layers, the stack {self.n_layers}")
+        self.frames.append(frame)
+
+    def pop(self) -> Frame:
+        return self.frames.pop()
+
+    def prefix(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Keys and values of the whole path for `layer`, each `(1, n_kv_heads, length, head_dim)`, or None if empty.
+
+        A fresh `torch.cat` per call: the result is part of the caller's graph, so each forward owns its own
+        concatenation and backward splits the gradient back onto the frames.
+        """
+        if not self.frames:
+            return None, None
+        if len(self.frames) == 1:
+            return self.frames[0].keys[layer], self.frames[0].values[layer]
+        keys = torch.cat([f.keys[layer] for f in self.frames], dim=2)
+        values = torch.cat([f.values[layer] for f in self.frames], dim=2)
+        return keys, values
