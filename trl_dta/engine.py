@@ -479,7 +479,7 @@ class _Walk:
         tensors, grads = [], []
         for (k, v), k_leaf, v_leaf in zip(kv, frame.keys, frame.values):
             for t, leaf in ((k, k_leaf), (v, v_leaf)):
-                if leaf.grad is not None:
+                if leaf.grad is not None and t.requires_grad:  # e.g. frozen first-layer keys under LoRA
                     tensors.append(t)
                     grads.append(leaf.grad.to(t.dtype))
         for t, g in outputs:

@@ -1,9 +1,13 @@
 """Log-probabilities and entropies from the LM head without materialising `[tokens, vocab]` logits.
 
-Only the positions whose next token is scored are projected, in chunks of `chunk_size` rows. With autograd on, each
-chunk runs under non-reentrant activation checkpointing: the graph keeps the chunk's hidden states, and the
-`(chunk, vocab)` logits are recomputed in the backward (the same trade TRL's fused LM head makes). Any head module
-works (a plain `nn.Linear`, tied embeddings, a PEFT-wrapped head).
+Only the positions whose next token is scored are projected, in chunks of rows. The graph keeps only the hidden
+states; the `(chunk, vocab)` logits are recomputed in the backward (the same trade TRL's fused LM head makes).
+
+Two paths:
+- a plain `nn.Linear` head (tied embeddings included): one `autograd.Function` whose backward turns each recomputed
+  logit tile into its gradient in place (`dz = g_lp * (onehot - p) - g_ent * p * (log p + H)`) and applies the two
+  GEMMs, with no intermediate autograd graph;
+- any other head module (e.g. a PEFT-wrapped head): the same statistics under non-reentrant activation checkpointing.
 
 Logits are post-processed as the model's own forward does (`logit_scale`, `final_logit_softcapping`), then divided
 by the temperature. Half-precision logits are upcast to float32 for the softmax statistics.
@@ -61,6 +65,74 @@ def _chunk_stats(hidden, targets, spec: HeadSpec, inv_temperature: float, want_e
     return logps, entropy
 
 
+def _tile_logits(h, weight, bias, spec: HeadSpec, inv_t: float):
+    """Post-processed logits `(rows, vocab)` of a tile (float32 for half precision) and `d logits / d (h W^T + b)`
+    as a scalar or a tensor (soft-capping)."""
+    y = h @ weight.t()
+    if bias is not None:
+        y = y + bias
+    if y.dtype in (torch.float16, torch.bfloat16):
+        y = y.float()
+    scale = spec.logit_scale * inv_t
+    if spec.softcap is None:
+        return y.mul_(scale), scale
+    th = torch.tanh(y.mul_(spec.logit_scale / spec.softcap))
+    return th * (spec.softcap * inv_t), (1 - th * th).mul_(scale)
+
+
+class _LinearLogProbs(torch.autograd.Function):
+    """Log-probs and entropies of a linear head, tile by tile; the backward recomputes each tile."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, spec, inv_t, want_entropy, rows):
+        lps, ents = [], []
+        for start in range(0, hidden.shape[0], rows):
+            z, _ = _tile_logits(hidden[start : start + rows], weight, bias, spec, inv_t)
+            lse = torch.logsumexp(z, dim=-1)
+            lps.append(z.gather(-1, targets[start : start + rows, None]).squeeze(-1) - lse)
+            if want_entropy:
+                z.sub_(lse[:, None])  # log p
+                ents.append(-(z.exp() * z).sum(-1))
+        logps = torch.cat(lps)
+        entropy = torch.cat(ents) if want_entropy else None
+        ctx.save_for_backward(hidden, weight, bias, targets, logps, entropy)
+        ctx.spec, ctx.inv_t, ctx.rows = spec, inv_t, rows
+        ctx.set_materialize_grads(False)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, bias, targets, logps, entropy = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        gh = torch.zeros_like(hidden) if need_h else None
+        gw = torch.zeros_like(weight) if need_w else None
+        gb = torch.zeros_like(bias) if need_b and bias is not None else None
+        if g_lp is None and g_ent is None:
+            return gh, gw, gb, None, None, None, None, None
+        for start in range(0, hidden.shape[0], ctx.rows):
+            sl = slice(start, start + ctx.rows)
+            h, t = hidden[sl], targets[sl]
+            z, dz_dy = _tile_logits(h, weight, bias, ctx.spec, ctx.inv_t)
+            lse = z.gather(-1, t[:, None]).squeeze(-1) - logps[sl]
+            logp = z.sub_(lse[:, None])
+            p = logp.exp()
+            if g_ent is not None:  # dH/dz = -p * (log p + H)
+                dz = logp.add_(entropy[sl, None]).mul_(p).mul_(-g_ent[sl, None])
+            else:
+                dz = torch.zeros_like(p)
+            if g_lp is not None:  # d log p_t / dz = onehot_t - p
+                dz.sub_(p * g_lp[sl, None])
+                dz.scatter_add_(-1, t[:, None], g_lp[sl, None].to(dz.dtype))
+            dy = (dz * dz_dy if isinstance(dz_dy, torch.Tensor) else dz.mul_(dz_dy)).to(weight.dtype)
+            if gh is not None:
+                gh[sl] = dy @ weight
+            if gw is not None:
+                gw.add_(dy.t() @ h)
+            if gb is not None:
+                gb.add_(dy.sum(0))
+        return gh, gw, gb, None, None, None, None, None
+
+
 def head_logprobs(
     spec: HeadSpec,
     hidden: torch.Tensor,
@@ -83,6 +155,9 @@ def head_logprobs(
         `(logps, entropies)`, each of shape `(n,)` (entropies None unless asked); float32 for half-precision models.
     """
     inv_t = 1.0 / temperature
+    if type(spec.module) is torch.nn.Linear and hidden.shape[0]:
+        rows = max(1, min(chunk_size, (1 << 24) // spec.module.weight.shape[0]))
+        return _LinearLogProbs.apply(hidden, spec.module.weight, spec.module.bias, targets, spec, inv_t, entropy, rows)
     grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in spec.module.parameters()))
     lps, ents = [], []
     for start in range(0, hidden.shape[0], chunk_size):

@@ -1,4 +1,4 @@
-"""Prefix tree (radix trie) over a batch of token sequences.
+r"""Prefix tree (radix trie) over a batch of token sequences.
 
 The rollouts of a batch share prefixes: the prompt of a GRPO group, the system prompt and earlier turns of agent
 trajectories. `PrefixTree` stores each distinct prefix once, as a tree of *segments* (maximal runs of tokens without a

@@ -1,0 +1,101 @@
+"""Shared fixtures: tiny models of every supported family, built from configs with random weights (offline)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+VOCAB = 61
+
+
+def _common(**kw):
+    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                tie_word_embeddings=False)
+    base.update(kw)
+    return base
+
+
+# family -> (config class, config kwargs). Mistral and Gemma get windows shorter than the test sequences, so the
+# sliding-window masks are exercised.
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, _common(attention_bias=True)),
+    "qwen2": (transformers.Qwen2Config, _common()),
+    "qwen3": (transformers.Qwen3Config, _common(head_dim=8, tie_word_embeddings=True)),
+    "mistral": (transformers.MistralConfig, _common(sliding_window=5)),
+    "gemma2": (transformers.Gemma2Config, _common(head_dim=8, sliding_window=5, query_pre_attn_scalar=8,
+                                                  final_logit_softcapping=3.0, attn_logit_softcapping=5.0)),
+    "gemma3": (transformers.Gemma3TextConfig, _common(head_dim=8, sliding_window=5, query_pre_attn_scalar=8,
+                                                      final_logit_softcapping=3.0,
+                                                      layer_types=["sliding_attention", "full_attention"])),
+    "phi3": (transformers.Phi3Config, _common(pad_token_id=0)),
+}
+# Families whose stock attention cannot run in float64 exactly (eager softmax in float32): float32 tests only.
+FLOAT32_ONLY = {"gemma2"}
+
+
+def _rms_input_dtype(module):
+    """RMSNorm computed in the input dtype (stock HF norms cast to float32 even in a float64 model)."""
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
+    gemma = "Gemma" in type(module).__name__
+
+    def forward(x):
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return y * (1.0 + module.weight) if gemma else module.weight * y
+
+    return forward
+
+
+def use_input_dtype_norms(model):
+    for m in model.modules():
+        if type(m).__name__.endswith("RMSNorm"):
+            m.forward = _rms_input_dtype(m)
+    return model
+
+
+def make_model(family: str, dtype=torch.float64, *, exact_norms: bool | None = None, seed: int = 0, **overrides):
+    """A tiny causal LM of `family` with random weights (norm weights perturbed too, so their gradients matter)."""
+    cls, kw = FAMILIES[family]
+    config = cls(**{**kw, **overrides})
+    attn = "eager" if family == "gemma2" else "sdpa"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model = model.to(dtype)
+    if exact_norms if exact_norms is not None else dtype == torch.float64:
+        use_input_dtype_norms(model)
+    return model
+
+
+@pytest.fixture
+def make_tiny_model():
+    return make_model
+
+
+def shared_batch(seed: int = 0) -> list[torch.Tensor]:
+    """A batch with every shape the tree must handle: a shared prompt with several completions, a sequence that is a
+    prefix of another, duplicates, length 0 and 1, a sequence sharing nothing, a long private tail."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(n):
+        return torch.randint(3, VOCAB, (n,), generator=g)
+
+    prompt = rnd(9)
+    mid = torch.cat([prompt, rnd(4)])
+    seqs = [
+        torch.cat([prompt, rnd(5)]),
+        torch.cat([prompt, rnd(3)]),
+        torch.cat([mid, rnd(6)]),
+        torch.cat([mid, rnd(2)]),
+        mid.clone(),  # ends at an internal segment
+        prompt.clone(),  # prefix of all of the above
+        prompt.clone(),  # duplicate
+        rnd(1),
+        torch.zeros(0, dtype=torch.long),
+        rnd(11),  # shares nothing
+        torch.cat([prompt, rnd(17)]),  # longer than the sliding windows
+    ]
+    return seqs

@@ -1,0 +1,272 @@
+"""DTAEngine against the per-sequence dense oracle: log-probs, entropies, loss and every parameter gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import FAMILIES, FLOAT32_ONLY, VOCAB, make_model, shared_batch
+from reference import compare_grads, compare_lists, dense_forward_backward, grads_of
+from trl_dta import DTAEngine, PrefixTree
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+
+def nonlinear_loss(i, lp, ent):
+    """Non-linear over the whole sequence (exp of a mean) plus an entropy term: prefix log-probs and entropies get
+    gradients from every sequence through them, so they must be accumulated before the prefix is popped."""
+    if lp.numel() == 0:
+        return lp.sum()
+    loss = torch.exp(lp.mean()) * (1 + 0.1 * i) - 0.01 * (lp**2).sum()
+    if ent is not None:
+        loss = loss + 0.05 * torch.tanh(ent).sum()
+    return loss
+
+
+def check(model, seqs, tol, *, loss_fn=nonlinear_loss, temperature=1.0, **engine_kw):
+    model.zero_grad(set_to_none=True)
+    want_loss, want_lp, want_ent = dense_forward_backward(model, seqs, loss_fn, temperature)
+    want = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    engine = DTAEngine(model, **engine_kw)
+    out = engine.forward_backward(seqs, loss_fn, temperature=temperature, entropy=True)
+    got = grads_of(model)
+    err_lp, i = compare_lists(out.logps, want_lp)
+    assert err_lp <= tol, f"log-probs differ by {err_lp:.3g} (sequence {i})"
+    err_ent, i = compare_lists(out.entropies, want_ent)
+    assert err_ent <= tol, f"entropies differ by {err_ent:.3g} (sequence {i})"
+    loss_err = abs(out.loss.item() - float(want_loss)) / max(abs(float(want_loss)), 1e-30)
+    assert loss_err <= tol, f"loss {out.loss.item()} != {float(want_loss)}"
+    err_g, name = compare_grads(got, want)
+    assert err_g <= tol, f"gradient of {name} differs by {err_g:.3g} (relative to its max)"
+    return out
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in FLOAT32_ONLY])
+def test_float64_equals_oracle(family):
+    model = make_model(family, torch.float64)
+    out = check(model, shared_batch(), TOL[torch.float64])
+    assert all(p.grad is not None and p.grad.abs().max() > 0 for p in model.parameters())
+    assert out.stats["compression_ratio"] > 1.5
+    assert out.stats["forward_tokens"] == out.stats["tree_tokens"]  # keep mode: every tree token forwarded once
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_float32_stock_model_equals_oracle(family):
+    model = make_model(family, torch.float32)
+    check(model, shared_batch(1), TOL[torch.float32])
+
+
+@pytest.mark.parametrize(
+    "engine_kw",
+    [
+        dict(max_batch_tokens=1),  # no sibling batching
+        dict(max_graph_tokens=0, block_size=3),  # everything recomputed in blocks smaller than the segments
+        dict(max_graph_tokens=12, block_size=4),  # mixed keep / recompute
+        dict(lm_head_chunk_size=3),  # LM head in many tiles
+    ],
+    ids=["no-batching", "recompute-all", "mixed", "head-chunks"],
+)
+def test_engine_modes_float64(engine_kw):
+    model = make_model("qwen2", torch.float64)
+    out = check(model, shared_batch(2), TOL[torch.float64], **engine_kw)
+    if engine_kw.get("max_graph_tokens") == 0:
+        assert out.stats["recomputed_tokens"] > 0
+        assert out.stats["peak_graph_tokens"] <= engine_kw["block_size"]
+
+
+def test_temperature():
+    model = make_model("llama", torch.float64)
+    check(model, shared_batch(3), TOL[torch.float64], temperature=0.7)
+
+
+def test_logprobs_matches_oracle_and_makes_no_grad():
+    model = make_model("qwen3", torch.float64)
+    seqs = shared_batch(4)
+    _, want_lp, want_ent = dense_forward_backward(model, seqs, lambda i, lp, ent: lp.sum())
+    model.zero_grad(set_to_none=True)
+    out = DTAEngine(model).logprobs(seqs, entropy=True)
+    assert out.loss is None
+    assert compare_lists(out.logps, want_lp)[0] <= 1e-10
+    assert compare_lists(out.entropies, want_ent)[0] <= 1e-10
+    assert all(p.grad is None for p in model.parameters())
+    assert DTAEngine(model).logprobs(seqs).entropies is None
+
+
+def test_lora_only_adapter_grads():
+    peft = pytest.importorskip("peft")
+    base = make_model("qwen2", torch.float64)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj",
+                                                                                           "gate_proj"]))
+    with torch.no_grad():  # LoRA B starts at zero: move it so the adapter changes the outputs
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    out = check(model, shared_batch(5), TOL[torch.float64])
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert {n for n, p in model.named_parameters() if p.grad is not None} == trainable
+    assert out.stats["compression_ratio"] > 1.5
+
+
+def test_bf16_no_worse_than_dense_bf16():
+    """Judged against the float64 oracle: DTA's bf16 error must not exceed the dense bf16 path's error."""
+    seqs = shared_batch(6)
+    ref = make_model("qwen2", torch.float64, exact_norms=False)
+    loss_fn = nonlinear_loss
+    ref.zero_grad(set_to_none=True)
+    _, lp64, _ = dense_forward_backward(ref, seqs, loss_fn)
+    g64 = grads_of(ref)
+    model = make_model("qwen2", torch.bfloat16, exact_norms=False)
+    _, lp_dense, _ = dense_forward_backward(model, seqs, loss_fn)
+    g_dense = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    out = DTAEngine(model).forward_backward(seqs, loss_fn)
+    g_dta = grads_of(model)
+    err_dense_lp, err_dta_lp = compare_lists(lp_dense, lp64)[0], compare_lists(out.logps, lp64)[0]
+    err_dense_g = compare_grads({n: g.double() for n, g in g_dense.items()}, g64)[0]
+    err_dta_g = compare_grads({n: g.double() for n, g in g_dta.items()}, g64)[0]
+    assert err_dta_lp <= err_dense_lp, f"bf16 log-probs: DTA {err_dta_lp:.3g} > dense {err_dense_lp:.3g}"
+    assert err_dta_g <= err_dense_g, f"bf16 gradients: DTA {err_dta_g:.3g} > dense {err_dense_g:.3g}"
+
+
+# ---------------------------------------------------------------------------------------------- hypothesis batches
+
+
+@st.composite
+def batches(draw):
+    """Sequences grown from a few random stems: shared prefixes of random depth, duplicates, prefixes of one another,
+    empty and single-token sequences, and sequences that share nothing."""
+    tok = st.integers(3, VOCAB - 1)
+    stems = draw(st.lists(st.lists(tok, min_size=0, max_size=14), min_size=1, max_size=3))
+    seqs = []
+    for _ in range(draw(st.integers(1, 7))):
+        stem = draw(st.sampled_from(stems))
+        cut = draw(st.integers(0, len(stem)))
+        tail = draw(st.lists(tok, max_size=6))
+        seqs.append(stem[:cut] + tail)
+    if draw(st.booleans()):
+        seqs.append(list(draw(st.sampled_from(seqs))))  # duplicate
+    return seqs
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seqs=batches(), block_size=st.integers(1, 6), budget=st.sampled_from([None, 0, 5, 20]),
+       batch_tokens=st.sampled_from([1, 7, 64]))
+def test_hypothesis_batches_float64(seqs, block_size, budget, batch_tokens):
+    model = _HYPO_MODEL()
+    check(model, [torch.tensor(s, dtype=torch.long) for s in seqs], TOL[torch.float64], block_size=block_size,
+          max_graph_tokens=budget, max_batch_tokens=batch_tokens)
+
+
+_MODEL_CACHE = {}
+
+
+def _HYPO_MODEL():
+    if "m" not in _MODEL_CACHE:
+        _MODEL_CACHE["m"] = make_model("qwen2", torch.float64, num_hidden_layers=1)
+    return _MODEL_CACHE["m"]
+
+
+# ---------------------------------------------------------------------------------------------- memory
+
+
+def _grpo_like(n_leaves, prompt=24, completion=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.randint(3, VOCAB, (prompt,), generator=g)
+    return [torch.cat([p, torch.randint(3, VOCAB, (completion,), generator=g)]) for _ in range(n_leaves)]
+
+
+def test_peak_graph_flat_in_number_of_leaves():
+    model = make_model("qwen2", torch.float32)
+    engine = DTAEngine(model, max_batch_tokens=12)  # two leaves per forward
+    peaks = []
+    for n in (2, 8, 32):
+        out = engine.forward_backward(_grpo_like(n), lambda i, lp, ent: lp.sum())
+        peaks.append(out.stats["peak_graph_tokens"])
+        assert out.stats["forward_tokens"] == out.stats["tree_tokens"]
+    assert peaks[0] == peaks[1] == peaks[2] == 24 + 12, peaks
+
+
+def test_peak_graph_bounded_by_block_size_with_recompute():
+    model = make_model("qwen2", torch.float32)
+    engine = DTAEngine(model, max_graph_tokens=0, block_size=5)
+    for n in (2, 16):
+        out = engine.forward_backward(_grpo_like(n, prompt=40, completion=9), lambda i, lp, ent: lp.sum())
+        assert 0 < out.stats["peak_graph_tokens"] <= 5
+        assert out.stats["recomputed_tokens"] > 0
+
+
+# ---------------------------------------------------------------------------------------------- model handling
+
+
+def test_gradient_checkpointing_is_suspended_and_restored():
+    model = make_model("llama", torch.float64)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    check(model, shared_batch(7), TOL[torch.float64])
+    assert model.is_gradient_checkpointing
+    assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+def test_attention_implementation_restored_and_model_usable():
+    model = make_model("qwen2", torch.float32)
+    before = model.config._attn_implementation
+    DTAEngine(model).logprobs(shared_batch())
+    assert model.config._attn_implementation == before
+    out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 6)
+
+
+def test_accepts_prefix_tree_and_padded_batches():
+    model = make_model("qwen2", torch.float64)
+    seqs = _grpo_like(3)
+    ids = torch.zeros(3, 32, dtype=torch.long)
+    mask = torch.zeros(3, 32, dtype=torch.long)
+    for r, s in enumerate(seqs):  # left-padded
+        ids[r, 32 - len(s):] = s
+        mask[r, 32 - len(s):] = 1
+    a = DTAEngine(model).logprobs(PrefixTree.from_padded(ids, mask))
+    b = DTAEngine(model).logprobs(seqs)
+    assert all(torch.equal(x, y) for x, y in zip(a.logps, b.logps))
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+def test_errors_on_bad_input():
+    model = make_model("qwen2", torch.float32)
+    engine = DTAEngine(model)
+    with pytest.raises(ValueError, match="empty"):
+        engine.logprobs([])
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        engine.logprobs([torch.randint(3, VOCAB, (300,))])
+    with pytest.raises(ValueError, match="vocab_size"):
+        engine.logprobs([torch.tensor([1, VOCAB + 3])])
+    with pytest.raises(ValueError, match="temperature"):
+        engine.logprobs([[3, 4]], temperature=0.0)
+    with pytest.raises(TypeError, match="scalar"):
+        engine.forward_backward([[3, 4, 5]], lambda i, lp, ent: lp)
+    with pytest.raises(TypeError, match="callable"):
+        engine.forward_backward([[3, 4, 5]], None)
+    for kw in (dict(block_size=0), dict(max_batch_tokens=-1), dict(max_graph_tokens=-2), dict(lm_head_chunk_size=0)):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            DTAEngine(model, **kw)
+
+
+def test_error_on_dropout_in_training():
+    model = make_model("qwen2", torch.float32, attention_dropout=0.1)
+    model.train()
+    with pytest.raises(ValueError, match="attention_dropout"):
+        DTAEngine(model).forward_backward([[3, 4, 5]], lambda i, lp, ent: lp.sum())
+    model.eval()
+    DTAEngine(model).forward_backward([[3, 4, 5]], lambda i, lp, ent: lp.sum())
+
+
+def test_error_on_dynamic_rope():
+    model = make_model("llama", torch.float32, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                 "rope_theta": 10000.0})
+    with pytest.raises(NotImplementedError, match="dynamic"):
+        DTAEngine(model)
