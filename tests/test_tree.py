@@ -1,0 +1,126 @@
+"""PrefixTree invariants against brute force over the set of prefixes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trl_dta import PrefixTree
+
+seq_lists = st.lists(st.lists(st.integers(0, 4), max_size=8), max_size=12)
+
+
+def _check_invariants(seqs: list[list[int]]):
+    tree = PrefixTree.from_sequences(seqs)
+    prefixes = {tuple(s[: k + 1]) for s in seqs for k in range(len(s))}
+    assert tree.n_sequences == len(seqs)
+    assert tree.n_tokens == sum(map(len, seqs))
+    assert tree.n_tree_tokens == len(prefixes)
+    assert tree.max_path_len == max(map(len, seqs), default=0)
+    assert sorted(tree.empty) == [i for i, s in enumerate(seqs) if not s]
+    # Each sequence is the concatenation of its path's segments and ends at its end segment.
+    for i, s in enumerate(seqs):
+        path = tree.path(i)
+        got = torch.cat([tree.tokens(p) for p in path]).tolist() if path else []
+        assert got == s
+        if s:
+            assert i in tree.segments[tree.end_segment[i]].ends
+    # Tree-token ids: shared exactly when the prefixes up to them are equal.
+    index = [tree.token_index(i).tolist() for i in range(len(seqs))]
+    seen: dict[int, tuple] = {}
+    ids = tree.tree_token_ids().tolist()
+    for s, idx in zip(seqs, index):
+        for k, t in enumerate(idx):
+            assert ids[t] == s[k]
+            assert seen.setdefault(t, tuple(s[: k + 1])) == tuple(s[: k + 1])
+    assert len(seen) == tree.n_tree_tokens
+    # Segments: pre-order, children start where the parent ends and differ in their first token, no empty segment,
+    # no segment with a single child unless a sequence ends there (maximal segments).
+    for seg in tree.segments:
+        assert seg.length >= 1
+        for c in seg.children:
+            assert tree.segments[c].parent == seg.index and tree.segments[c].start == seg.end and c > seg.index
+        firsts = [int(tree.tokens(c)[0]) for c in seg.children]
+        assert firsts == sorted(set(firsts))
+        if len(seg.children) == 1:
+            assert seg.ends
+    # Lexicographic order with the right neighbour LCPs.
+    assert [seqs[i] for i in tree.order] == sorted(seqs)
+    for k in range(1, len(seqs)):
+        a, b = seqs[tree.order[k - 1]], seqs[tree.order[k]]
+        lcp = next((j for j in range(min(len(a), len(b))) if a[j] != b[j]), min(len(a), len(b)))
+        assert tree.order_lcp[k] == lcp
+    assert sum(tree.subtree_tokens()[r] for r in tree.roots) == tree.n_tree_tokens
+    return tree
+
+
+@settings(max_examples=300, deadline=None)
+@given(seq_lists)
+def test_invariants_hypothesis(seqs):
+    _check_invariants(seqs)
+
+
+def test_shapes():
+    prompt = list(range(10, 30))
+    seqs = [prompt + [1, 2], prompt + [1, 3], prompt, prompt, [], [7], list(range(100, 150))]
+    tree = _check_invariants(seqs)
+    assert tree.n_tree_tokens == 20 + 1 + 2 + 1 + 50
+    assert tree.compression_ratio == pytest.approx(tree.n_tokens / tree.n_tree_tokens)
+    assert tree.depth == 3 and tree.n_leaves == 4
+    stats = tree.stats()
+    assert stats["tree_tokens"] == tree.n_tree_tokens and stats["sequences"] == 7
+
+
+def test_no_sharing_and_one_huge_prefix():
+    distinct = [[i, i + 1, i + 2] for i in range(0, 30, 3)]
+    tree = _check_invariants(distinct)
+    assert tree.compression_ratio == 1.0 and len(tree.roots) == 10
+    huge = list(range(5000))
+    tree = _check_invariants([huge + [i] for i in range(4)] + [huge])
+    assert tree.n_tree_tokens == 5004 and tree.n_segments == 5
+
+
+def test_from_padded_left_right_and_mixed():
+    seqs = [[5, 6, 7], [5, 6], [9]]
+    width = 5
+    left = torch.zeros(3, width, dtype=torch.long)
+    right = torch.zeros(3, width, dtype=torch.long)
+    lmask, rmask = torch.zeros_like(left), torch.zeros_like(right)
+    for r, s in enumerate(seqs):
+        left[r, width - len(s):], lmask[r, width - len(s):] = torch.tensor(s), 1
+        right[r, : len(s)], rmask[r, : len(s)] = torch.tensor(s), 1
+    for ids, mask in ((left, lmask), (right, rmask)):
+        tree = PrefixTree.from_padded(ids, mask)
+        assert [t.tolist() for t in tree.seqs] == seqs
+    # TRL's layout: left-padded prompt then right-padded completion.
+    ids = torch.tensor([[0, 5, 6, 7, 0], [5, 6, 8, 9, 4]])
+    mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    tree = PrefixTree.from_padded(ids, mask)
+    assert [t.tolist() for t in tree.seqs] == [[5, 6, 7], [5, 6, 8, 9, 4]]
+    assert tree.n_tree_tokens == 2 + 1 + 3
+
+
+def test_large_batch_builds():
+    """1M tokens (500 sequences, half of each shared): built with sort-and-LCP, no per-token Python objects."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 1000, (1000,), generator=g) for _ in range(50)]
+    seqs = [torch.cat([prompts[i % 50], torch.tensor([10_000 + i]), torch.randint(0, 1000, (999,), generator=g)])
+            for i in range(500)]
+    tree = PrefixTree.from_sequences(seqs)
+    assert tree.n_tokens == 1_000_000
+    assert tree.n_tree_tokens == 50 * 1000 + 500 * 1000
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="1-D"):
+        PrefixTree.from_sequences([torch.zeros(2, 2, dtype=torch.long)])
+    with pytest.raises(TypeError, match="from_padded"):
+        PrefixTree.from_sequences(torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="attention_mask"):
+        PrefixTree.from_padded(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 4))
+    with pytest.raises(ValueError, match="input_ids"):
+        PrefixTree.from_padded(torch.zeros(3, dtype=torch.long))
+    empty = PrefixTree.from_sequences([])
+    assert empty.n_sequences == 0 and empty.compression_ratio == 1.0
