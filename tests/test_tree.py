@@ -105,7 +105,7 @@ def test_from_padded_left_right_and_mixed():
 def test_large_batch_builds():
     """1M tokens (500 sequences, half of each shared): built with sort-and-LCP, no per-token Python objects."""
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 1000, (1000,), generator=g) for _ in range(50)]
+    prompts = [torch.cat([torch.tensor([20_000 + p]), torch.randint(0, 1000, (999,), generator=g)]) for p in range(50)]
     seqs = [torch.cat([prompts[i % 50], torch.tensor([10_000 + i]), torch.randint(0, 1000, (999,), generator=g)])
             for i in range(500)]
     tree = PrefixTree.from_sequences(seqs)
