@@ -29,8 +29,9 @@ def dense_logps(model, seq: torch.Tensor, temperature: float = 1.0) -> tuple[tor
     return logps, entropy
 
 
-def dense_forward_backward(model, seqs, loss_fn, temperature: float = 1.0):
+def dense_forward_backward(model, seqs, loss_fn, temperature: float = 1.0, n_scored=None):
     """`sum_i loss_fn(i, logps_i, entropy_i)`, one sequence at a time; gradients accumulate into `.grad`.
+    With `n_scored`, only the last `n_scored[i]` log-probs of sequence `i` are passed on.
 
     Returns `(total_loss, logps, entropies)` (detached).
     """
@@ -38,6 +39,9 @@ def dense_forward_backward(model, seqs, loss_fn, temperature: float = 1.0):
     for i, s in enumerate(seqs):
         s = torch.as_tensor(s, dtype=torch.long)
         lp, ent = dense_logps(model, s, temperature)
+        if n_scored is not None:
+            keep = len(lp) - min(n_scored[i], len(lp))
+            lp, ent = lp[keep:], ent[keep:]
         loss = loss_fn(i, lp, ent)
         if loss.requires_grad:
             loss.backward()
@@ -51,24 +55,30 @@ def grads_of(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b| (0 when both are empty or b is all zero and a equals it)."""
+def max_rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
+    """max |a - b| / max(max |b|, floor) (0 when both are empty)."""
     if a.numel() == 0 and b.numel() == 0:
         return 0.0
     a, b = a.double(), b.double()
-    scale = b.abs().max().item()
+    scale = max(b.abs().max().item(), floor)
     diff = (a - b).abs().max().item()
     return diff / scale if scale > 0 else diff
 
 
 def compare_grads(got: dict, want: dict) -> tuple[float, str]:
-    """Worst per-parameter relative error and the parameter's name. A gradient missing on one side (never
-    back-propagated into) counts as zeros: it must then be all zero on the other side."""
+    """Worst per-parameter relative error and the parameter's name.
+
+    Each parameter's error is relative to its own largest reference gradient, floored at 1e-6 of the largest gradient
+    of the model: a gradient that is zero in exact arithmetic (e.g. queries over identical values) is round-off on
+    both sides and has no meaningful relative error. A gradient missing on one side (never back-propagated into)
+    counts as zeros: it must then be all zero on the other side.
+    """
+    floor = 1e-6 * max((w.abs().max().item() for w in want.values() if w.numel()), default=0.0)
     worst, name = 0.0, ""
     for n in set(got) | set(want):
         g = got.get(n, torch.zeros_like(want.get(n, got.get(n))))
         w = want.get(n, torch.zeros_like(g))
-        e = max_rel_err(g, w)
+        e = max_rel_err(g, w, floor)
         if e > worst:
             worst, name = e, n
     return worst, name

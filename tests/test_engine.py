@@ -25,13 +25,13 @@ def nonlinear_loss(i, lp, ent):
     return loss
 
 
-def check(model, seqs, tol, *, loss_fn=nonlinear_loss, temperature=1.0, **engine_kw):
+def check(model, seqs, tol, *, loss_fn=nonlinear_loss, temperature=1.0, n_scored=None, **engine_kw):
     model.zero_grad(set_to_none=True)
-    want_loss, want_lp, want_ent = dense_forward_backward(model, seqs, loss_fn, temperature)
+    want_loss, want_lp, want_ent = dense_forward_backward(model, seqs, loss_fn, temperature, n_scored)
     want = grads_of(model)
     model.zero_grad(set_to_none=True)
     engine = DTAEngine(model, **engine_kw)
-    out = engine.forward_backward(seqs, loss_fn, temperature=temperature, entropy=True)
+    out = engine.forward_backward(seqs, loss_fn, temperature=temperature, entropy=True, n_scored=n_scored)
     got = grads_of(model)
     err_lp, i = compare_lists(out.logps, want_lp)
     assert err_lp <= tol, f"log-probs differ by {err_lp:.3g} (sequence {i})"
@@ -152,13 +152,29 @@ def batches(draw):
     return seqs
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seqs=batches(), block_size=st.integers(1, 6), budget=st.sampled_from([None, 0, 5, 20]),
-       batch_tokens=st.sampled_from([1, 7, 64]))
-def test_hypothesis_batches_float64(seqs, block_size, budget, batch_tokens):
+       batch_tokens=st.sampled_from([1, 7, 64]), data=st.data())
+def test_hypothesis_batches_float64(seqs, block_size, budget, batch_tokens, data):
     model = _HYPO_MODEL()
+    n_scored = None
+    if data.draw(st.booleans(), label="score only completions"):
+        n_scored = [data.draw(st.integers(0, len(s) + 1), label=f"n_scored[{i}]") for i, s in enumerate(seqs)]
     check(model, [torch.tensor(s, dtype=torch.long) for s in seqs], TOL[torch.float64], block_size=block_size,
-          max_graph_tokens=budget, max_batch_tokens=batch_tokens)
+          max_graph_tokens=budget, max_batch_tokens=batch_tokens, n_scored=n_scored)
+
+
+def test_n_scored_projects_only_needed_positions():
+    """GRPO layout: only completion log-probs are needed; the prompt's positions are never projected."""
+    model = make_model("qwen2", torch.float64)
+    seqs = _grpo_like(4, prompt=20, completion=5)
+    out = check(model, seqs, TOL[torch.float64], n_scored=[5] * 4)
+    assert [len(x) for x in out.logps] == [5] * 4
+    assert out.stats["scored_positions"] == 4 * 5  # 4 forks out of the prompt + 4 in-completion targets each
+    full = DTAEngine(model).logprobs(seqs)
+    assert full.stats["scored_positions"] == 19 + 4 + 4 * 4
+    with pytest.raises(ValueError, match="n_scored"):
+        DTAEngine(model).logprobs(seqs, n_scored=[1, 2])
 
 
 _MODEL_CACHE = {}

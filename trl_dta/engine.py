@@ -110,7 +110,7 @@ class DTAEngine:
 
     Stats of the last call (`engine.last_stats`, also `DTAOutput.stats`): `sequences`, `tokens`, `tree_tokens`,
     `compression_ratio`, `forward_tokens` (real tokens forwarded, recompute included), `padded_tokens` (with sibling
-    padding), `recomputed_tokens`, `peak_graph_tokens`, `forwards`, `backwards`, `seconds`.
+    padding), `recomputed_tokens`, `scored_positions` (rows projected through the LM head), `peak_graph_tokens`, `forwards`, `backwards`, `seconds`.
     """
 
     def __init__(
@@ -228,21 +228,28 @@ class DTAEngine:
     # ------------------------------------------------------------------ public API
 
     @torch.no_grad()
-    def logprobs(self, seqs: Sequence | PrefixTree, *, temperature: float = 1.0, entropy: bool = False) -> DTAOutput:
+    def logprobs(self, seqs: Sequence | PrefixTree, *, temperature: float = 1.0, entropy: bool = False,
+                 n_scored: int | Sequence[int] | None = None) -> DTAOutput:
         """Per-sequence next-token log-probs (and entropies), without grad.
 
         Args:
             seqs (`list[torch.LongTensor | list[int]]` or `PrefixTree`): the sequences.
             temperature (`float`, *optional*, defaults to `1.0`): logits are divided by it.
             entropy (`bool`, *optional*, defaults to `False`): also return the entropies.
+            n_scored (`int` or `list[int]`, *optional*): how many trailing log-probs each sequence needs (TRL's
+                `logits_to_keep`, per sequence: the completion length). Positions no sequence needs are never
+                projected through the LM head. None scores all `len_i - 1` positions.
 
         Returns:
-            [`DTAOutput`] with `logps[i][t - 1] = log p(s_i[t] | s_i[:t])` for `t = 1 .. len_i - 1`.
+            [`DTAOutput`] with `logps[i][t - 1] = log p(s_i[t] | s_i[:t])` for `t = 1 .. len_i - 1` (only the last
+            `n_scored[i]` of them when given).
         """
-        return _Walk(self, self._tree(seqs), None, temperature, entropy).run()
+        tree = self._tree(seqs)
+        return _Walk(self, tree, None, temperature, entropy, _n_scored(tree, n_scored)).run()
 
     def forward_backward(
-        self, seqs: Sequence | PrefixTree, loss_fn: LossFn, *, temperature: float = 1.0, entropy: bool = False
+        self, seqs: Sequence | PrefixTree, loss_fn: LossFn, *, temperature: float = 1.0, entropy: bool = False,
+        n_scored: int | Sequence[int] | None = None,
     ) -> DTAOutput:
         """Run `sum_i loss_fn(i, logps_i, entropy_i)` forward and backward through the tree.
 
@@ -255,20 +262,44 @@ class DTAEngine:
                 `(len_i - 1,)` and entropies (or None); any differentiable function of the whole vectors.
             temperature (`float`, *optional*, defaults to `1.0`): logits are divided by it.
             entropy (`bool`, *optional*, defaults to `False`): compute entropies and pass them to `loss_fn`.
+            n_scored (`int` or `list[int]`, *optional*): as in [`~DTAEngine.logprobs`]; `loss_fn` then receives the
+                last `n_scored[i]` log-probs of sequence `i`.
 
         Returns:
             [`DTAOutput`] with the detached total loss and per-sequence log-probs (and entropies).
         """
         if not callable(loss_fn):
             raise TypeError("`loss_fn` must be a callable (i, logps_i, entropy_i) -> scalar tensor")
-        return _Walk(self, self._tree(seqs), loss_fn, temperature, entropy).run()
+        tree = self._tree(seqs)
+        return _Walk(self, tree, loss_fn, temperature, entropy, _n_scored(tree, n_scored)).run()
+
+
+def _n_scored(tree: PrefixTree, n_scored) -> list[int]:
+    """Per-sequence number of trailing log-probs, clipped to `len_i - 1`."""
+    lengths = tree.lengths
+    if n_scored is None:
+        return [max(n - 1, 0) for n in lengths]
+    if isinstance(n_scored, int):
+        n_scored = [n_scored] * len(lengths)
+    n_scored = [int(n) for n in n_scored]
+    if len(n_scored) != len(lengths):
+        raise ValueError(f"`n_scored` has {len(n_scored)} entries for {len(lengths)} sequences")
+    if any(n < 0 for n in n_scored):
+        raise ValueError("`n_scored` entries must be non-negative")
+    return [min(n, max(length - 1, 0)) for n, length in zip(n_scored, lengths)]
+
+
+def _cat(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    if not parts:
+        return like.new_zeros(0)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class _Walk:
     """State of one engine call: the tree, the K/V stack, the path's segment states, results and counters."""
 
     def __init__(self, engine: DTAEngine, tree: PrefixTree, loss_fn: LossFn | None, temperature: float,
-                 entropy: bool):
+                 entropy: bool, n_scored: list[int]):
         if temperature <= 0:
             raise ValueError(f"`temperature` must be positive, got {temperature}")
         self.e = engine
@@ -285,22 +316,36 @@ class _Walk:
         self.path: list[_SegState] = []
         segs = tree.segments
         self.tokens = [tree.tokens(s.index).to(self.device) for s in segs]
-        # Index in the parent's outputs of the log-prob of each segment's first token.
-        self.fork_index = [0] * len(segs)
+        # Scored targets. Sequence i needs the log-probs of its tokens at depths >= first[i]; a segment scores a
+        # target if some sequence through it needs it. A segment's outputs are its scored internal targets (positions
+        # p0[s] .. length-2, each predicting the next token), then one fork per scored child (the child's first
+        # token, predicted from the segment's last position).
+        self.first = [n - k for n, k in zip(tree.lengths, n_scored)]
+        need = [float("inf")] * len(segs)
+        for i, s in enumerate(tree.end_segment):
+            if s >= 0:
+                need[s] = min(need[s], self.first[i])
+        for seg in reversed(segs):  # children come after their parent in pre-order
+            if seg.parent >= 0:
+                need[seg.parent] = min(need[seg.parent], need[seg.index])
+        self.p0 = [int(min(max(need[s.index] - s.start - 1, 0), s.length - 1)) for s in segs]
+        self.n_internal = [s.length - 1 - self.p0[s.index] for s in segs]
+        self.fork_index = [-1] * len(segs)
         self.fork_targets: list[torch.Tensor | None] = [None] * len(segs)
         for s in segs:
-            for j, c in enumerate(s.children):
-                self.fork_index[c] = s.length - 1 + j
-            if s.children:
-                self.fork_targets[s.index] = torch.stack([self.tokens[c][0] for c in s.children])
+            scored = [c for c in s.children if segs[c].start >= need[c]]
+            for j, c in enumerate(scored):
+                self.fork_index[c] = self.n_internal[s.index] + j
+            if scored:
+                self.fork_targets[s.index] = torch.stack([self.tokens[c][0] for c in scored])
         self.subtree = tree.subtree_tokens()
         self.logps: list[torch.Tensor | None] = [None] * tree.n_sequences
         self.ents: list[torch.Tensor | None] = [None] * tree.n_sequences
         self.total = None
         self._pending = None  # sum of the losses visited since the last backward
         self.live = 0
-        self.stats = dict(forward_tokens=0, padded_tokens=0, recomputed_tokens=0, peak_graph_tokens=0, forwards=0,
-                          backwards=0)
+        self.stats = dict(forward_tokens=0, padded_tokens=0, recomputed_tokens=0, scored_positions=0,
+                          peak_graph_tokens=0, forwards=0, backwards=0)
 
     # ------------------------------------------------------------------ driver
 
@@ -392,6 +437,7 @@ class _Walk:
 
     def _score(self, hidden: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor):
         """Log-probs (and entropies) of `targets` at rows `positions` of `hidden` `(length, hidden_size)`."""
+        self.stats["scored_positions"] += len(targets)
         return head_logprobs(self.head, hidden[positions], targets, temperature=self.temperature,
                              entropy=self.want_ent, chunk_size=self.e.lm_head_chunk_size)
 
@@ -399,9 +445,9 @@ class _Walk:
         """Scored positions (relative to `lo`) and targets of block `[lo, hi)` of segment `s`, in output order:
         internal next tokens, then (if the block ends the segment) the first token of each child."""
         tok, length = self.tokens[s], self.tree.segments[s].length
-        inner = min(hi, length - 1)
-        pos = torch.arange(0, max(inner - lo, 0), device=self.device)
-        tgt = tok[lo + 1 : inner + 1]
+        first, inner = max(lo, self.p0[s]), min(hi, length - 1)
+        pos = torch.arange(first - lo, max(inner - lo, first - lo), device=self.device)
+        tgt = tok[first + 1 : max(inner, first) + 1]
         forks = self.fork_targets[s]
         if hi == length and forks is not None:
             pos = torch.cat([pos, torch.full((len(forks),), length - 1 - lo, device=self.device)])
@@ -409,8 +455,12 @@ class _Walk:
         return pos, tgt
 
     def _out_range(self, s: int, lo: int, hi: int) -> tuple[int, int]:
-        seg = self.tree.segments[s]
-        return lo, (hi if hi < seg.length else seg.length - 1 + len(seg.children))
+        """Slice of segment `s`'s outputs that block `[lo, hi)` produces."""
+        n, p0 = self.n_internal[s], self.p0[s]
+        a, b = min(max(lo - p0, 0), n), min(max(hi - p0, 0), n)
+        if hi == self.tree.segments[s].length and self.fork_targets[s] is not None:
+            b += len(self.fork_targets[s])
+        return a, b
 
     # ------------------------------------------------------------------ push / visit / pop
 
@@ -448,8 +498,7 @@ class _Walk:
             state = _SegState(s, self._leaf(torch.cat(lps)), self._leaf(ent), len(blocks), blocks=blocks)
         self.path.append(state)
         for i in seg.ends:
-            self._visit(i, s, state.out_lp[: length - 1], None if state.out_ent is None else state.out_ent[: length - 1],
-                        ancestors=self.path[:-1])
+            self._visit(i, s, state.out_lp, state.out_ent, ancestors=self.path[:-1])
         self._backward_total()
 
     def _exit(self, s: int) -> None:
@@ -499,32 +548,42 @@ class _Walk:
         for row, c in enumerate(batch):
             ids[row, : lengths[row]] = self.tokens[c]
         hidden, _ = self._forward(ids, sum(lengths))
-        rows = torch.cat([torch.full((n - 1,), r, device=self.device) for r, n in enumerate(lengths)])
-        cols = torch.cat([torch.arange(n - 1, device=self.device) for n in lengths])
-        targets = torch.cat([self.tokens[c][1:] for c in batch])
+        counts = [self.n_internal[c] for c in batch]
+        rows = torch.cat([torch.full((n,), r, device=self.device) for r, n in enumerate(counts)])
+        cols = torch.cat([torch.arange(self.p0[c], self.p0[c] + n, device=self.device) for c, n in zip(batch, counts)])
+        targets = torch.cat([self.tokens[c][self.p0[c] + 1 :] for c in batch])
+        self.stats["scored_positions"] += len(targets)
         lp, ent = head_logprobs(self.head, hidden[rows, cols], targets, temperature=self.temperature,
                                 entropy=self.want_ent, chunk_size=self.e.lm_head_chunk_size)
-        lps = lp.split([n - 1 for n in lengths])
-        ents = ent.split([n - 1 for n in lengths]) if ent is not None else [None] * len(batch)
+        lps = lp.split(counts)
+        ents = ent.split(counts) if ent is not None else [None] * len(batch)
         for c, lp_c, ent_c in zip(batch, lps, ents):
             for i in segs[c].ends:
                 self._visit(i, c, lp_c, ent_c, ancestors=self.path)
         self._backward_total()
 
     def _visit(self, i: int, last_seg: int, last_lp, last_ent, ancestors: Sequence[_SegState] = ()) -> None:
-        """Assemble sequence `i`'s vectors from its ancestors' pieces and its last segment's, and call the loss."""
+        """Assemble sequence `i`'s scored log-probs (and entropies) from the outputs of the segments on its path
+        (`ancestors`, then `last_seg` whose outputs are `last_lp`/`last_ent`), and call the loss."""
+        first, segs = self.first[i], self.tree.segments
         lp_parts, ent_parts = [], []
+
+        def take(seg, lp, ent, child):
+            a = max(first - segs[seg].start - 1, 0) - self.p0[seg]
+            pieces = [(a, self.n_internal[seg])] if a < self.n_internal[seg] else []
+            if child >= 0 and segs[seg].end >= first:
+                pieces.append((self.fork_index[child], self.fork_index[child] + 1))
+            for x, y in pieces:
+                lp_parts.append(lp[x:y])
+                if self.want_ent:
+                    ent_parts.append(ent[x:y])
+
         for k, a in enumerate(ancestors):
-            n = self.tree.segments[a.seg].length - 1
-            child = ancestors[k + 1].seg if k + 1 < len(ancestors) else last_seg
-            f = self.fork_index[child]
-            lp_parts += [a.out_lp[:n], a.out_lp[f : f + 1]]
-            if self.want_ent:
-                ent_parts += [a.out_ent[:n], a.out_ent[f : f + 1]]
-        lp = torch.cat(lp_parts + [last_lp]) if lp_parts else last_lp
-        ent = None
-        if self.want_ent:
-            ent = torch.cat(ent_parts + [last_ent]) if ent_parts else last_ent
+            take(a.seg, a.out_lp, a.out_ent, ancestors[k + 1].seg if k + 1 < len(ancestors) else last_seg)
+        if last_seg >= 0:
+            take(last_seg, last_lp, last_ent, -1)
+        lp = _cat(lp_parts, last_lp)
+        ent = _cat(ent_parts, last_lp) if self.want_ent else None
         self.logps[i] = lp.detach()
         if self.want_ent:
             self.ents[i] = ent.detach()
