@@ -131,6 +131,41 @@ def test_run_statistics_and_cut_costs(seqs, model):
         assert runs == pytest.approx(float(batch.run_cost(0, n, model)) + cuts, rel=1e-12, abs=1e-12)
 
 
+@SETTINGS
+@given(seqs=batch_st, data=st.data())
+def test_rank_forest_incremental_statistics(seqs, data):
+    # The packer's O(log n) block insert/remove keeps a rank's statistics equal to a rebuilt tree's.
+    from trl_dta.balance import _Lcp, _RankForest, _SortedBatch
+
+    tree = PrefixTree.from_sequences(seqs)
+    batch = _SortedBatch(tree)
+    n = len(seqs)
+    cuts = sorted(set(data.draw(st.lists(st.integers(0, n), max_size=6)) + [0, n]))
+    blocks = [(a, b) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+
+    def block_stats(l, r):
+        return [int(x) for i, x in enumerate(batch.run_stats(l, r)) if i != 1]
+
+    forest = _RankForest(batch.lengths.tolist(), _Lcp(batch.lcp), block_stats)
+    held = set()
+    for step in data.draw(st.lists(st.sampled_from(range(len(blocks))), max_size=10) if blocks else st.just([])):
+        if step in held:
+            forest.remove([blocks[step]])
+            held.discard(step)
+        else:
+            forest.insert([blocks[step]])
+            held.add(step)
+        ref = reference_stats([seqs[i] for p in sorted(forest.positions().tolist()) for i in [tree.order[p]]])
+        assert forest.components == [ref.sequences, ref.tree_tokens, ref.attention_work, ref.leaves]
+
+
+def test_forest_stats_bad_indices():
+    with pytest.raises(ValueError, match=r"\[0, 2\)"):
+        forest_stats([[1], [2]], [0, -1])
+    with pytest.raises(ValueError, match="twice"):
+        forest_stats([[1], [2]], [1, 1])
+
+
 def test_forest_stats_example():
     # [a b c d], [a b c e], [a b]: tree = [a b] -> {[c d], [c e]}... segments [a b], [c], [d], [e].
     stats = forest_stats([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2]])
@@ -143,7 +178,7 @@ def test_forest_stats_example():
 @SETTINGS
 @given(seqs=batch_st, k=st.integers(1, 5), model=model_st)
 def test_partition_is_optimal_contiguous_cut(seqs, k, model):
-    result = partition(seqs, k, cost_model=model)
+    result = partition(seqs, k, cost_model=model, strategy="contiguous")
     n = len(seqs)
     check_is_partition(result, n, k)
     check_contiguous(result, seqs)
@@ -164,7 +199,7 @@ def test_partition_is_optimal_contiguous_cut(seqs, k, model):
 def test_partition_respects_groups(seqs, k, model, data):
     n = len(seqs)
     group_ids = data.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
-    result = partition(seqs, k, cost_model=model, group_ids=group_ids)
+    result = partition(seqs, k, cost_model=model, group_ids=group_ids, strategy="contiguous")
     check_is_partition(result, n, k)
     check_contiguous(result, seqs)
     owner = {}
@@ -175,6 +210,45 @@ def test_partition_respects_groups(seqs, k, model, data):
         best_max, best_sum = brute_force(seqs, k, model, group_ids)
         assert result.max_cost == best_max
         assert sum(result.costs) == pytest.approx(best_sum, rel=1e-12, abs=1e-12)
+
+
+@SETTINGS
+@given(seqs=batch_st, k=st.integers(1, 5), model=model_st, data=st.data())
+def test_best_and_packed_strategies(seqs, k, model, data):
+    n = len(seqs)
+    group_ids = data.draw(st.none() | st.lists(st.integers(0, 3), min_size=n, max_size=n))
+    contiguous = partition(seqs, k, cost_model=model, group_ids=group_ids, strategy="contiguous")
+    packed = partition(seqs, k, cost_model=model, group_ids=group_ids, strategy="packed")
+    best = partition(seqs, k, cost_model=model, group_ids=group_ids)
+    for result in (packed, best):
+        check_is_partition(result, n, k)
+        for part, cost, stats in zip(result.parts, result.costs, result.stats):
+            assert stats == reference_stats([seqs[i] for i in part])
+            assert cost == reference_cost([seqs[i] for i in part], model)
+        if group_ids is None:
+            assert sum(len(p) > 0 for p in result.parts) == min(n, k), "no empty part while sequences are left"
+        else:
+            owner = {}
+            for rank, part in enumerate(result.parts):
+                for i in part:
+                    assert owner.setdefault(group_ids[i], rank) == rank, "a group was split across parts"
+            assert sum(len(p) > 0 for p in packed.parts) == min(len(set(group_ids)), k)
+    assert best.max_cost <= min(contiguous.max_cost, packed.max_cost)
+
+
+def test_packed_beats_contiguous_on_few_groups_per_rank():
+    # Group sizes in sorted order alternate big/small so badly that contiguous runs cannot balance 2 groups per rank.
+    rng = random.Random(5)
+    seqs, groups = [], []
+    for g, plen in enumerate([400, 390, 380, 370, 40, 30, 20, 10]):
+        prompt = [g] + [rng.randrange(100) for _ in range(plen)]
+        for _ in range(4):
+            seqs.append(prompt + [rng.randrange(100) for _ in range(20)])
+            groups.append(g)
+    contiguous = partition(seqs, 4, group_ids=groups, strategy="contiguous")
+    best = partition(seqs, 4, group_ids=groups)
+    assert best.max_cost < 0.8 * contiguous.max_cost
+    assert best.imbalance < 1.05
 
 
 def test_grpo_groups_are_not_split():
@@ -215,9 +289,12 @@ def test_k1_is_one_forest():
 
 def test_more_ranks_than_sequences():
     seqs = [[3, 1], [1, 2], [1]]
-    result = partition(seqs, 5)
+    result = partition(seqs, 5, strategy="contiguous")
     assert result.parts == [[2], [1], [0], [], []]
     assert result.costs[3:] == [0.0, 0.0]
+    for strategy in ("best", "packed"):
+        result = partition(seqs, 5, strategy=strategy)
+        assert sorted(len(p) for p in result.parts) == [0, 0, 1, 1, 1]
 
 
 def test_empty_batch():
@@ -244,6 +321,7 @@ def test_accepts_tensors_and_tree():
         ({"k": 2, "group_ids": [0, 1]}, "one group id per sequence"),
         ({"k": 2, "slack": -0.1}, "`slack`"),
         ({"k": 2, "equal_count": True}, "divisible"),
+        ({"k": 2, "strategy": "greedy"}, "`strategy`"),
     ],
 )
 def test_bad_arguments(kwargs, match):
@@ -404,6 +482,7 @@ def test_fit_model_drives_partition():
     # A fitted model is a plain CostModel: partition uses it like any other.
     model = CostModel.fit(synthetic_samples(np.random.default_rng(2), (2e-6, 3e-10, 1e-3, 0.05)))
     seqs = [[1, 2, 3, i] for i in range(10)]
-    result = partition(seqs, 3, cost_model=model)
+    result = partition(seqs, 3, cost_model=model, strategy="contiguous")
     check_is_partition(result, 10, 3)
     assert result.max_cost == brute_force(seqs, 3, model)[0]
+    assert partition(seqs, 3, cost_model=model).max_cost <= result.max_cost

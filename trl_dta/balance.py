@@ -10,8 +10,17 @@ at the cuts:
 sorted:   s0 s1 s2 | s3 s4 s5 s6 | s7 s8      (k = 3 runs; a cut between s2 and s3 duplicates lcp(s2, s3) tokens)
 ```
 
-[`partition`] finds the smallest cost limit that admits `k` runs (binary search with a greedy probe, exact), then,
-among all cuts that meet that limit, the one that duplicates the least work (a dynamic programme over cut positions).
+[`partition`] has two strategies and by default keeps the better result:
+
+- *contiguous*: the smallest cost limit that admits `k` runs (binary search with a greedy probe, exact over all
+  contiguous cuts), then, among the cuts that meet it, the one that duplicates the least work (a dynamic programme).
+- *packed*: whole subtrees (or whole groups) packed onto ranks, largest first onto the rank whose forest grows least,
+  then local search. Not tied to the sorted order, so it balances better when each rank gets only a few subtrees, and
+  a prefix that every rank needs anyway (a common system prompt) costs nothing extra.
+
+The duplicated work of any split into `k` non-empty parts is at least that of the best contiguous cut for tree tokens
+(the parts' first occurrences in sorted order are `k - 1` cuts, and a subtree holding `c` of them meets at least
+`c + 1` parts), so the kept compression of the contiguous minimum-duplication cut is an upper bound for any method.
 
 Cost of a forest (see [`CostModel`]):
 
@@ -36,6 +45,7 @@ second pass minimises.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections import deque
 from collections.abc import Sequence
@@ -262,9 +272,16 @@ class _SortedBatch:
 
     def subset_stats(self, indices) -> ForestStats:
         """Statistics of the forest of any subset of sequences (original indices)."""
-        pos = np.sort(self.position[np.asarray(indices, dtype=np.int64)]) if len(indices) else np.zeros(0, np.int64)
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if len(idx) and (idx.min() < 0 or idx.max() >= self.n):
+            raise ValueError(f"sequence indices must lie in [0, {self.n}), got {idx.min()}..{idx.max()}")
+        pos = np.sort(self.position[idx])
         if len(pos) and (np.diff(pos) == 0).any():
             raise ValueError("a sequence index appears twice in one part")
+        return self.stats_at(pos)
+
+    def stats_at(self, pos: np.ndarray) -> ForestStats:
+        """Statistics of the forest of the sequences at sorted positions `pos` (strictly increasing)."""
         m = len(pos)
         if m == 0:
             return ForestStats(0, 0, 0, 0, 0)
@@ -480,6 +497,9 @@ def _min_duplication_cuts(batch, cuts, k, limit, model) -> list[int]:
     return bounds[::-1]
 
 
+STRATEGIES = ("best", "contiguous", "packed")
+
+
 def partition(
     seqs_or_tree,
     k: int,
@@ -487,16 +507,29 @@ def partition(
     group_ids: Sequence | torch.Tensor | None = None,
     keep_groups: bool = True,
     equal_count: bool = False,
+    strategy: str = "best",
     slack: float = 0.0,
 ) -> Partition:
     """Split a global batch into `k` parts (one per rank) with the smallest maximum forest cost.
 
-    The sequences are sorted lexicographically and cut into `k` contiguous runs. The largest run cost is minimised
-    exactly over all such cuts (binary search on the cost limit with a greedy probe); among the cuts that reach that
-    optimum (or stay within `(1 + slack)` of it) the one that duplicates the least shared work is returned.
+    Two strategies, and `"best"` runs both and keeps the better result:
 
-    Parts are never empty when there are at least `k` cuttable units (sequences, or groups with `keep_groups`); with
-    fewer units every unit gets its own rank and the last ranks get empty parts (a trainer must still step them).
+    - `"contiguous"`: sort the sequences lexicographically and cut them into `k` contiguous runs. The largest run cost
+      is minimised *exactly* over all such cuts (binary search on the cost limit with a greedy probe); among the cuts
+      that reach that optimum (or stay within `(1 + slack)` of it) the one that duplicates the least shared work is
+      returned. Sharing is lost only at the `k - 1` cuts.
+    - `"packed"`: cut the batch into *atoms* (whole groups with `group_ids` and `keep_groups`; otherwise subtrees of
+      the prefix tree, split at their branch points until each costs at most `1/g` of a rank's share, for `g` in
+      1, 2; finer atoms measured worse, as the packing then scatters siblings) and pack the atoms onto ranks: largest
+      first onto the rank whose forest grows the least (exact union costs, so a prefix that a rank already holds,
+      such as a common system prompt, is free), then moves and swaps out of the most loaded rank while they lower
+      it. Heuristic, but not bound to the sorted order, which balances better when each rank gets few atoms.
+    - `"best"` (default): the candidate with the least total cost among those whose maximum cost is within
+      `(1 + slack)` of the smallest maximum found. Never worse than `"contiguous"` in maximum cost.
+
+    Parts are never empty when there are at least `k` units that may be separated (sequences, or groups with
+    `keep_groups`); with fewer, every unit gets its own rank and the remaining ranks get empty parts (a trainer must
+    still step them).
 
     Args:
         seqs_or_tree (`list` of sequences or `PrefixTree`):
@@ -506,25 +539,27 @@ def partition(
         cost_model (`CostModel`, *optional*):
             Cost of a forest; defaults to `CostModel()`.
         group_ids (sequence or `torch.Tensor` of shape `(n,)`, *optional*):
-            A group label per sequence (e.g. the prompt index of each GRPO completion). With `keep_groups`, cuts never
-            separate two members of a group; groups whose members interleave in sorted order (e.g. two groups with
-            the same prompt) then stay together.
+            A group label per sequence (e.g. the prompt index of each GRPO completion). With `keep_groups`, a group is
+            never split over parts. For `"contiguous"`, groups whose members interleave in sorted order (e.g. two
+            groups with the same prompt) then stay in one run.
         keep_groups (`bool`, *optional*, defaults to `True`):
-            Respect `group_ids` (cut only between groups). Without it the cost model alone decides, and a split group
-            is charged for its duplicated prefix.
+            Respect `group_ids`. Without it the cost model alone decides, and a split group is charged for its
+            duplicated prefix.
         equal_count (`bool`, *optional*, defaults to `False`):
-            Give every part exactly `n / k` sequences (`n` must be divisible by `k`). Without groups the parts are the
-            `k` equal-size contiguous runs of the sorted batch (balance then comes from the order alone). With
-            `group_ids` and `keep_groups`, all groups must have the same size `G` with `n / k` a multiple of `G`;
-            whole groups are assigned by longest-processing-time first with a per-part group count, then improved by
-            pairwise swaps (parts are then not contiguous in sorted order; sharing between different groups, such as
-            a common system prompt, is kept once per part).
+            Give every part exactly `n / k` sequences (`n` must be divisible by `k`), for trainers where every rank must
+            run the same number of rows. Without groups the parts are the `k` equal-size contiguous runs of the sorted
+            batch (balance then comes from the order alone). With `group_ids` and `keep_groups`, all groups must have
+            one size `G` with `n / k` a multiple of `G`; whole groups are packed with `n / (k G)` groups per part
+            (and swaps only), and the contiguous runs are kept instead when they split no group and balance better.
+        strategy (`str`, *optional*, defaults to `"best"`):
+            `"best"`, `"contiguous"` or `"packed"` (see above). Ignored with `equal_count`.
         slack (`float`, *optional*, defaults to `0.0`):
-            Accept a maximum cost up to `(1 + slack)` times the optimum in exchange for less duplicated work.
+            Accept a maximum cost up to `(1 + slack)` times the smallest one found in exchange for less duplicated
+            work (the contiguous cut then minimises duplication under that limit).
 
     Returns:
-        [`Partition`] with `.parts` (original indices per rank), `.costs`, `.imbalance`, `.compression_before`,
-        `.compression_after`.
+        [`Partition`] with `.parts` (original indices per rank, each in sorted order), `.costs`, `.imbalance`,
+        `.compression_before`, `.compression_after`.
     """
     model = cost_model if cost_model is not None else CostModel()
     tree = _as_tree(seqs_or_tree)
@@ -532,13 +567,41 @@ def partition(
     labels = _check_args(batch, k, group_ids)
     if not np.isfinite(slack) or slack < 0:
         raise ValueError(f"`slack` must be a non-negative number, got {slack!r}")
-    n = batch.n
-    if n == 0:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"`strategy` must be one of {STRATEGIES}, got {strategy!r}")
+    labels = labels if keep_groups else None
+    if batch.n == 0:
         return _summarize(batch, [[] for _ in range(k)], model)
     if equal_count:
-        return _equal_count_partition(batch, k, model, labels if keep_groups else None)
+        return _equal_count_partition(batch, k, model, labels)
 
-    cuts = _allowed_cuts(batch, labels if keep_groups else None)
+    candidates = []
+    if strategy in ("best", "contiguous"):
+        candidates.append(_contiguous_partition(batch, k, model, labels, slack))
+    if strategy in ("best", "packed"):
+        if labels is not None:
+            atom_sets = [_group_atoms(batch, labels)]
+        else:
+            total = float(batch.run_cost(0, batch.n, model))
+            atom_sets = [_subtree_atoms(batch, model, total / (k * g), k) for g in (1, 2)]
+        seen = set()
+        for atoms in atom_sets:
+            key = tuple(int(a[0]) for a in atoms)
+            if key not in seen:
+                seen.add(key)
+                candidates.append(_summarize(batch, _pack(batch, atoms, k, model), model))
+    return _pick(candidates, slack)
+
+
+def _pick(candidates: list[Partition], slack: float) -> Partition:
+    """Least total cost among the candidates within `(1 + slack)` of the smallest maximum cost."""
+    best_max = min(c.max_cost for c in candidates)
+    ok = [c for c in candidates if c.max_cost <= best_max * (1.0 + slack)]
+    return min(ok, key=lambda c: (sum(c.costs), c.max_cost))
+
+
+def _contiguous_partition(batch, k, model, labels, slack) -> Partition:
+    cuts = _allowed_cuts(batch, labels)
     m = len(cuts) - 1
     if m <= k:
         bounds = list(range(m + 1)) + [m] * (k - m)
@@ -550,6 +613,231 @@ def partition(
     return _summarize(batch, parts, model)
 
 
+# ------------------------------------------------------------------------------------------------------------- packing
+
+
+def _group_atoms(batch: _SortedBatch, labels: np.ndarray) -> list[np.ndarray]:
+    """One atom per group: its members' sorted positions."""
+    pos_labels = labels[batch.order]
+    return [np.flatnonzero(pos_labels == g) for g in np.unique(pos_labels)]
+
+
+def _subtree_atoms(batch: _SortedBatch, model: CostModel, limit: float, k: int) -> list[np.ndarray]:
+    """Split the sorted batch into subtrees costing at most `limit` (or single sequences), and into at least `k`.
+
+    A run `[l, r)` of sorted positions is split at its branch point: at every position whose neighbour LCP equals the
+    run's smallest one (the children of the run's deepest common node). Runs over `limit` are split, then the costliest
+    splittable run while there are fewer than `k` (so that every rank can get one). Returns sorted position ranges.
+    """
+
+    def split(l, r):
+        inner = batch.lcp[l + 1 : r]
+        bounds = [l, *(l + 1 + np.flatnonzero(inner == inner.min())).tolist(), r]
+        return list(zip(bounds[:-1], bounds[1:]))
+
+    runs, todo = [], [(0, batch.n)]
+    while todo:
+        l, r = todo.pop()
+        if r - l > 1 and float(batch.run_cost(l, r, model)) > limit:
+            todo.extend(split(l, r))
+        else:
+            runs.append((l, r))
+    while len(runs) < k:
+        splittable = [run for run in runs if run[1] - run[0] > 1]
+        if not splittable:
+            break
+        big = max(splittable, key=lambda run: float(batch.run_cost(run[0], run[1], model)))
+        runs.remove(big)
+        runs.extend(split(*big))
+    return [np.arange(l, r) for l, r in sorted(runs)]
+
+
+class _Lcp:
+    """LCP of any two sorted positions in O(1): a sparse table of range minima over the neighbour LCPs."""
+
+    def __init__(self, lcp: np.ndarray):
+        self.levels = [lcp.tolist()]
+        width = 1
+        while 2 * width <= len(lcp):
+            prev = np.asarray(self.levels[-1])
+            self.levels.append(np.minimum(prev[:-width], prev[width:]).tolist())
+            width *= 2
+
+    def __call__(self, i: int, j: int) -> int:
+        """LCP of positions `i < j` = min of the neighbour LCPs over `(i, j]`."""
+        level = (j - i).bit_length() - 1
+        row = self.levels[level]
+        return min(row[i + 1], row[j - (1 << level) + 1])
+
+
+class _RankForest:
+    """The forest of one rank as disjoint blocks `[l, r)` of sorted positions, with exact incremental statistics.
+
+    `components` = `[sequences, tree_tokens, attention_work, leaves]`. Inserting a block between the rank's nearest
+    positions `pl < l` and `pr >= r` changes only the terms at its two ends: its first sequence shares `lcp(pl, l)`
+    with `pl`, `pr` now shares `lcp(r - 1, pr)` instead of `lcp(pl, pr)`, and `pl` / the block's last sequence stop
+    being leaves when they are prefixes of their new successor.
+    """
+
+    def __init__(self, lengths: list[int], lcp: _Lcp, block_stats):
+        self.lengths, self.lcp, self.block_stats = lengths, lcp, block_stats
+        self.starts: list[int] = []
+        self.end: dict[int, int] = {}
+        self.components = [0, 0, 0, 0]
+
+    def copy(self) -> _RankForest:
+        other = _RankForest(self.lengths, self.lcp, self.block_stats)
+        other.starts, other.end, other.components = list(self.starts), dict(self.end), list(self.components)
+        return other
+
+    def insert_delta(self, l: int, r: int) -> list[int]:
+        seqs, tree_tokens, att, leaves = self.block_stats(l, r)
+        i = bisect.bisect_left(self.starts, l)
+        pl = self.end[self.starts[i - 1]] - 1 if i > 0 else None
+        pr = self.starts[i] if i < len(self.starts) else None
+        if pl is not None:
+            lam = self.lcp(pl, l)
+            tree_tokens -= lam
+            att -= _tri(lam)
+            len_pl = self.lengths[pl]
+            was_leaf = len_pl > 0 and (pr is None or self.lcp(pl, pr) < len_pl)
+            leaves += int(len_pl > 0 and lam < len_pl) - int(was_leaf)
+        if pr is not None:
+            before = self.lcp(pl, pr) if pl is not None else 0
+            after = self.lcp(r - 1, pr)
+            tree_tokens -= after - before
+            att -= _tri(after) - _tri(before)
+            len_last = self.lengths[r - 1]
+            leaves -= int(len_last > 0 and after >= len_last)  # the block's last sequence is a prefix of pr
+        return [seqs, tree_tokens, att, leaves]
+
+    def insert(self, blocks) -> None:
+        for l, r in blocks:
+            delta = self.insert_delta(l, r)
+            bisect.insort(self.starts, l)
+            self.end[l] = r
+            self.components = [c + d for c, d in zip(self.components, delta)]
+
+    def remove(self, blocks) -> None:
+        for l, r in blocks:
+            self.starts.remove(l)
+            del self.end[l]
+            delta = self.insert_delta(l, r)
+            self.components = [c - d for c, d in zip(self.components, delta)]
+
+    def positions(self) -> np.ndarray:
+        if not self.starts:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([np.arange(l, self.end[l]) for l in self.starts])
+
+
+def _blocks(positions: np.ndarray) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive sorted positions, as `[l, r)` blocks."""
+    if len(positions) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [len(positions)]])
+    return [(int(positions[a]), int(positions[b - 1]) + 1) for a, b in zip(starts, ends)]
+
+
+def _pack(
+    batch: _SortedBatch, atoms: list[np.ndarray], k: int, model: CostModel, capacity: int | None = None
+) -> list[list[int]]:
+    """Pack atoms (arrays of sorted positions) onto `k` ranks; returns original sequence indices per rank.
+
+    Largest atom first, each onto the rank whose exact forest cost after adding it is smallest (the first `k` atoms
+    one per rank, so that no rank stays empty); then, while it lowers the most loaded rank, move an atom from it to
+    another rank or swap one with another rank's. `capacity` limits the number of atoms per rank (swaps only then).
+    Costs are exact throughout ([`_RankForest`] updates a rank's statistics in O(log n) per block).
+    """
+    lengths = batch.lengths.tolist()
+    lcp = _Lcp(batch.lcp)
+    block_cache: dict[tuple[int, int], list[int]] = {}
+
+    def block_stats(l, r):
+        if (l, r) not in block_cache:
+            seqs, _, tree_tokens, att, leaves = batch.run_stats(l, r)
+            block_cache[l, r] = [int(seqs), int(tree_tokens), int(att), int(leaves)]
+        return block_cache[l, r]
+
+    tc, ac, lc, fc = model.token_cost, model.attention_cost, model.leaf_cost, model.fixed_cost
+
+    def cost(c) -> float:
+        return tc * c[1] + ac * c[2] + lc * c[3] + (fc if c[0] > 0 else 0.0)
+
+    atom_blocks = [_blocks(a) for a in atoms]
+    atom_cost = []
+    for blocks in atom_blocks:
+        probe = _RankForest(lengths, lcp, block_stats)
+        probe.insert(blocks)
+        atom_cost.append(cost(probe.components))
+
+    ranks = [_RankForest(lengths, lcp, block_stats) for _ in range(k)]
+    members: list[list[int]] = [[] for _ in range(k)]
+
+    def cost_after(rank: int, out: int | None, into: int | None) -> float:
+        """Exact cost of `rank` after removing atom `out` and adding atom `into` (either may be None)."""
+        forest = ranks[rank]
+        if out is None and into is not None and len(atom_blocks[into]) == 1:
+            delta = forest.insert_delta(*atom_blocks[into][0])
+            return cost([c + d for c, d in zip(forest.components, delta)])
+        forest = forest.copy()
+        if out is not None:
+            forest.remove(atom_blocks[out])
+        if into is not None:
+            forest.insert(atom_blocks[into])
+        return cost(forest.components)
+
+    def apply(rank: int, out: int | None, into: int | None) -> None:
+        if out is not None:
+            ranks[rank].remove(atom_blocks[out])
+            members[rank].remove(out)
+        if into is not None:
+            ranks[rank].insert(atom_blocks[into])
+            members[rank].append(into)
+
+    for rank_order, a in enumerate(sorted(range(len(atoms)), key=lambda a: -atom_cost[a])):
+        if rank_order < k:
+            apply(rank_order, None, a)
+            continue
+        open_ranks = [r for r in range(k) if capacity is None or len(members[r]) < capacity]
+        apply(min(open_ranks, key=lambda r: (cost_after(r, None, a), r)), None, a)
+
+    # Local search: each accepted step lowers the heaviest rank and leaves the other below the heaviest's old load, so
+    # the sorted load vector decreases lexicographically and the loop ends. Moves are screened by their exact effect,
+    # swaps by the difference of the two atoms' own costs; the best few are then checked exactly.
+    load = [cost(f.components) for f in ranks]
+    for _ in range(8 * len(atoms) + 16):
+        heavy = max(range(k), key=load.__getitem__)
+        options = []  # (estimated max of the two new loads, other rank, atom leaving heavy, atom entering heavy)
+        movable = capacity is None and len(members[heavy]) > 1
+        for x in members[heavy]:
+            left = cost_after(heavy, x, None) if movable else None
+            for r in range(k):
+                if r == heavy:
+                    continue
+                if movable:
+                    options.append((max(left, cost_after(r, None, x)), r, x, None))
+                for y in members[r]:
+                    delta = atom_cost[x] - atom_cost[y]
+                    if delta > 0:
+                        options.append((max(load[heavy] - delta, load[r] + delta), r, x, y))
+        options = sorted(o for o in options if o[0] < load[heavy])[:8]
+        best = None
+        for _, r, x, y in options:
+            new_heavy, new_other = cost_after(heavy, x, y), cost_after(r, y, x)
+            if max(new_heavy, new_other) < load[heavy] and (best is None or max(new_heavy, new_other) < best[0]):
+                best = (max(new_heavy, new_other), r, x, y, new_heavy, new_other)
+        if best is None:
+            break
+        _, r, x, y, load[heavy], load[r] = best
+        apply(heavy, x, y)
+        apply(r, y, x)
+    order = batch.order
+    return [order[f.positions()].tolist() for f in ranks]
+
+
 def _equal_count_partition(batch: _SortedBatch, k: int, model: CostModel, labels: np.ndarray | None) -> Partition:
     n = batch.n
     if n % k:
@@ -559,60 +847,23 @@ def _equal_count_partition(batch: _SortedBatch, k: int, model: CostModel, labels
         )
     per_part = n // k
     order = batch.order.tolist()
+    runs = [order[i * per_part : (i + 1) * per_part] for i in range(k)]
+    contiguous = _summarize(batch, runs, model)
     if labels is None:
-        return _summarize(batch, [order[i * per_part : (i + 1) * per_part] for i in range(k)], model)
+        return contiguous
 
-    members: dict[int, list[int]] = {}
-    for i, g in enumerate(labels.tolist()):
-        members.setdefault(g, []).append(i)
-    sizes = {len(v) for v in members.values()}
-    size = sizes.pop()
-    if sizes or per_part % size:
+    atoms = _group_atoms(batch, labels)
+    sizes = sorted({len(a) for a in atoms})
+    if len(sizes) > 1 or per_part % sizes[0]:
         raise ValueError(
             "`equal_count=True` with `group_ids` and `keep_groups=True` needs groups of one size G with n / k a "
-            f"multiple of G; got group sizes {sorted({len(v) for v in members.values()})} and n / k = {per_part}. "
-            "Pass `keep_groups=False` to allow splitting groups."
+            f"multiple of G; got group sizes {sizes} and n / k = {per_part}. Pass `keep_groups=False` to allow "
+            "splitting groups."
         )
-    capacity = per_part // size
-    groups = list(members.values())
-    load = [0.0] * k
-    group_cost = [_subset_cost(batch, g, model) for g in groups]
-    assigned: list[list[int]] = [[] for _ in range(k)]
-    # Longest processing time first, restricted to parts with room left.
-    for gi in sorted(range(len(groups)), key=lambda g: -group_cost[g]):
-        rank = min((r for r in range(k) if len(assigned[r]) < capacity), key=lambda r: load[r])
-        assigned[rank].append(gi)
-        load[rank] += group_cost[gi]
-    # Pairwise swaps out of the heaviest part while they lower the larger of the two loads.
-    for _ in range(4 * len(groups)):
-        heavy = max(range(k), key=lambda r: load[r])
-        best = None
-        for r in range(k):
-            if r == heavy:
-                continue
-            for x in assigned[heavy]:
-                for y in assigned[r]:
-                    delta = group_cost[x] - group_cost[y]
-                    if delta <= 0:
-                        continue
-                    new_max = max(load[heavy] - delta, load[r] + delta)
-                    if new_max < load[heavy] and (best is None or new_max < best[0]):
-                        best = (new_max, r, x, y)
-        if best is None:
-            break
-        _, r, x, y = best
-        assigned[heavy][assigned[heavy].index(x)] = y
-        assigned[r][assigned[r].index(y)] = x
-        delta = group_cost[x] - group_cost[y]
-        load[heavy] -= delta
-        load[r] += delta
-    parts = [[i for gi in assigned[r] for i in groups[gi]] for r in range(k)]
-    return _summarize(batch, parts, model)
-
-
-def _subset_cost(batch: _SortedBatch, indices, model: CostModel) -> float:
-    s = batch.subset_stats(indices)
-    return float(model(s.tree_tokens, s.attention_work, s.leaves, s.sequences))
+    packed = _summarize(batch, _pack(batch, atoms, k, model, capacity=per_part // sizes[0]), model)
+    run_of = np.repeat(np.arange(k), per_part)[batch.position]  # part of each sequence in the contiguous runs
+    splits_no_group = all(len(set(run_of[labels == g].tolist())) == 1 for g in np.unique(labels))
+    return _pick([packed, contiguous] if splits_no_group else [packed], 0.0)
 
 
 # ---------------------------------------------------------------------------------------------------------- baselines
