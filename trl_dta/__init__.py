@@ -5,9 +5,22 @@ of a batch depth-first, so that every shared prefix is computed once in the forw
 with results equal to the dense computation.
 """
 
+from .balance import CostModel, ForestStats, Partition, forest_stats, lpt_partition, partition
 from .engine import DTAEngine, DTAOutput
 from .tree import PrefixTree, Segment
 
 __version__ = "0.1.0"
 
-__all__ = ["DTAEngine", "DTAOutput", "PrefixTree", "Segment", "__version__"]
+__all__ = [
+    "CostModel",
+    "DTAEngine",
+    "DTAOutput",
+    "ForestStats",
+    "Partition",
+    "PrefixTree",
+    "Segment",
+    "__version__",
+    "forest_stats",
+    "lpt_partition",
+    "partition",
+]
