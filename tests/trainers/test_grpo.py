@@ -1,0 +1,328 @@
+"""`DTAGRPOTrainer` against TRL's `GRPOTrainer`: same seed, data and config, real trainers on a tiny model.
+
+Each test trains both for a few optimizer steps and checks that they generate the same completions, log the same loss
+and metrics, and end with the same parameters (float32: within 1e-5 of the parameters' size, and 1e-4 of the size of
+the update, which float32 rounding through the advantage-weighted sums reaches at ~3e-5; float64: 1e-5 of the update).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from peft import LoraConfig, PromptTuningConfig
+from transformers import MixtralConfig, MixtralForCausalLM
+from trl import GRPOConfig, GRPOTrainer
+
+from trl_dta.trainers import DTAGRPOConfig, DTAGRPOTrainer
+
+from .conftest import DTA, EOS, assert_equivalent, assert_params_close, build_model, make_args, train
+
+def compare(tmp_path, model_dir, tokenizer, dataset, update_rtol=1e-4, ref_cls=GRPOTrainer, dta_cls=DTAGRPOTrainer,
+            check_metrics=True, dta_config=DTA, **config):
+    ref = train(ref_cls, GRPOConfig, model_dir, tokenizer, dataset, tmp_path / "trl", **config)
+    dta = train(dta_cls, DTAGRPOConfig, model_dir, tokenizer, dataset, tmp_path / "dta", **config, **dta_config)
+    assert all(entry["dta/dense_fallback"] == 0.0 for entry in dta.logs if "dta/dense_fallback" in entry)
+    assert any("dta/tree_tokens" in entry for entry in dta.logs), "no micro-batch ran through DTA"
+    assert_params_close(ref, dta)
+    assert_equivalent(ref, dta, rtol=update_rtol, compare_metrics=check_metrics)
+    return ref, dta
+
+
+LOSSES = [
+    ("grpo", "token"),
+    ("grpo", "sequence"),
+    ("bnpo", "token"),
+    ("dr_grpo", "token"),
+    ("dapo", "token"),
+    ("luspo", "sequence"),
+    ("cispo", "token"),
+    ("sapo", "token"),
+    ("vespo", "token"),
+]
+
+
+@pytest.mark.parametrize("loss_type,level", LOSSES)
+def test_loss_types_match_trl(tmp_path, model_dir, tokenizer, dataset, loss_type, level):
+    # num_iterations=2: the second step reuses the generation with old log-probs (scored by the engine), so the
+    # ratios move off 1 and the clipping branches are exercised. Micro-batches of 4 from 2 groups of 4, shuffled by
+    # TRL's row shuffle: groups are split across micro-batches.
+    ref, dta = compare(tmp_path, model_dir, tokenizer, dataset, loss_type=loss_type, importance_sampling_level=level,
+                       num_iterations=2)
+    if loss_type == "grpo" and level == "token":
+        assert max(entry["clip_ratio/region_mean"] for entry in ref.logs) > 0, "clipping never active"
+        prompts = [[tuple(row) for row in batch["prompt_ids"].tolist()] for batch in dta.trainer._buffered_inputs]
+        assert any(len(set(rows)) > 1 for rows in prompts), "no micro-batch mixes groups"
+
+
+def test_float64(tmp_path, model_dir, tokenizer, dataset):
+    # Float64 leaves only the stock RMSNorm's float32 upcast as rounding (about 1e-7 of the update).
+    compare(tmp_path, model_dir, tokenizer, dataset, update_rtol=1e-5, num_iterations=2,
+            model_init_kwargs={"dtype": torch.float64})
+
+
+def test_beta_with_reference_model(tmp_path, model_dir, tokenizer, dataset):
+    # The reference model is reloaded from the model folder and scored through its own engine.
+    compare(tmp_path, model_dir, tokenizer, dataset, beta=0.2, num_iterations=2, loss_type="grpo")
+
+
+def test_beta_bias_correction_delta(tmp_path, model_dir, tokenizer, dataset):
+    compare(tmp_path, model_dir, tokenizer, dataset, beta=0.1, use_bias_correction_kl=True, delta=1.05,
+            epsilon_high=0.28, num_iterations=2)
+
+
+def test_lora_with_adapter_disabled_reference(tmp_path, model_dir, tokenizer, dataset):
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], task_type="CAUSAL_LM")
+    compare(tmp_path, model_dir, tokenizer, dataset, beta=0.2, num_iterations=2, learning_rate=0.5,
+            trainer_kwargs={"peft_config": lora})
+
+
+def test_steps_per_generation(tmp_path, model_dir, tokenizer, dataset):
+    # One generation feeds 2 optimizer steps of 2 micro-batches of 2 rows: old log-probs are needed and scored by DTA.
+    compare(tmp_path, model_dir, tokenizer, dataset, per_device_train_batch_size=2, steps_per_generation=4, steps=3)
+
+
+def test_duplicates_empty_and_truncated_completions(tmp_path, model_dir, tokenizer, dataset):
+    # A strong <eos> bias and top-k sampling of 3-token completions: completions that are only <eos>, duplicates in a
+    # group, and truncated completions (masked out entirely: their rows score no token).
+    ref, _ = compare(tmp_path, model_dir, tokenizer, dataset, loss_type="grpo", max_completion_length=3, top_k=3,
+                     generation_kwargs={"sequence_bias": [[[EOS], 4.5]]}, mask_truncated_completions=True, steps=3)
+    groups = [ref.completions[i : i + 4] for i in range(0, len(ref.completions), 4)]
+    assert [EOS] in ref.completions, "no empty completion"
+    assert any(len({tuple(c) for c in g}) < len(g) for g in groups), "no duplicate completions"
+    assert any(c[-1] != EOS for c in ref.completions), "no truncated completion"
+
+
+def test_top_entropy_quantile_and_entropy_bonus(tmp_path, model_dir, tokenizer, dataset):
+    # Not a sum over sequences: the exact two-pass path (TRL's loss on the first pass's log-probs, then the surrogate).
+    compare(tmp_path, model_dir, tokenizer, dataset, top_entropy_quantile=0.5, entropy_coef=0.05, num_iterations=2)
+
+
+def test_adaptive_entropy_bonus(tmp_path, model_dir, tokenizer, dataset):
+    # One pass with the entropies' gradient; the controller (updated by TRL's own code) switches the bonus on at step 2.
+    compare(tmp_path, model_dir, tokenizer, dataset, use_adaptive_entropy=True, entropy_coef=0.1,
+            entropy_target=10.0, steps=3)
+
+
+def test_off_policy_mask(tmp_path, model_dir, tokenizer, dataset):
+    # A threshold away from 0: at the first step the policy is the old policy (KL = 0 up to rounding, kept).
+    ref, _ = compare(tmp_path, model_dir, tokenizer, dataset, off_policy_mask_threshold=0.002, num_iterations=2,
+                     learning_rate=0.2, loss_type="grpo")
+
+
+class _NoWeightSync:
+    """Stands in for the vLLM client, whose only use with a `rollout_func` is pushing weights to the vLLM server."""
+
+    def sync_weights(self):
+        pass
+
+
+@torch.no_grad()
+def _sampler_logprobs(model, prompt: list[int], completion: list[int], gen: torch.Generator) -> list[float]:
+    """The model's own log-probs of the completion, perturbed like those of a separate inference engine."""
+    ids = torch.tensor([prompt + completion])
+    logps = torch.log_softmax(model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float(), dim=-1)
+    exact = logps.gather(-1, ids[0, len(prompt) :, None])[:, 0]
+    return (exact + 0.05 * torch.randn(len(completion), generator=gen)).tolist()
+
+
+def _rollout(prompts, trainer):
+    """Deterministic rollouts with an environment mask (tool tokens) and sampling log-probs, as a vLLM rollout gives."""
+    tok = trainer.processing_class
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    out = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": []}
+    for k, prompt in enumerate(prompts):
+        ids = tok(prompt)["input_ids"]
+        gen = torch.Generator().manual_seed(len(prompt) * 31 + k % 4)
+        n = int(torch.randint(1, 7, (1,), generator=gen))
+        completion = torch.randint(3, len(tok), (n,), generator=gen).tolist()
+        if k % 4 == 0:
+            completion = completion[:1] + [29, 30] + completion[1:]  # two environment tokens after the first
+            mask = [1, 0, 0] + [1] * (len(completion) - 3)
+        else:
+            mask = [1] * len(completion)
+        out["prompt_ids"].append(ids)
+        out["completion_ids"].append(completion)
+        out["env_mask"].append(mask)
+        out["logprobs"].append(_sampler_logprobs(model, ids, completion, gen))
+    return out
+
+
+@pytest.mark.parametrize(
+    "loss_type,mode", [("dapo", "token_truncate"), ("grpo", "sequence_mask"), ("vespo", "token_mask")]
+)
+def test_tool_mask_and_vllm_importance_sampling(tmp_path, model_dir, tokenizer, dataset, loss_type, mode):
+    def setup(trainer):
+        # The importance-sampling correction is TRL's vLLM path; vLLM itself cannot run here, so the rollouts come
+        # from `rollout_func` (with sampling log-probs) and only the weight sync is stood in for.
+        trainer.use_vllm = True
+        trainer.vllm_importance_sampling_correction = True
+        trainer.vllm_importance_sampling_mode = mode
+        trainer.vllm_importance_sampling_clip_min = 0.5 if mode.endswith("mask") else None
+        trainer.vllm_importance_sampling_clip_max = 2.0
+        trainer.vllm_generation = _NoWeightSync()
+        trainer._last_loaded_step = -1
+
+    ref, dta = compare(tmp_path, model_dir, tokenizer, dataset, loss_type=loss_type, num_iterations=2,
+                       trainer_kwargs={"rollout_func": _rollout}, setup=setup)
+    assert "tool_mask" in dta.trainer._buffered_inputs[0]
+    assert "importance_sampling_ratio" in dta.trainer._buffered_inputs[0]
+    assert "sampling/importance_sampling_ratio/mean" in ref.logs[0]
+
+
+def test_custom_compute_loss_subclass(tmp_path, model_dir, tokenizer, dataset):
+    # A subclass's own objective cannot be decomposed blindly: it takes the exact two-pass path.
+    def objective(self, model, inputs):
+        loss = GRPOTrainer._compute_loss(self, model, inputs)
+        return loss + 0.5 * loss**2
+
+    ref_cls = type("SquaredGRPO", (GRPOTrainer,), {"_compute_loss": objective})
+    dta_cls = type("SquaredDTAGRPO", (DTAGRPOTrainer,), {"_compute_loss": objective})
+    compare(tmp_path, model_dir, tokenizer, dataset, ref_cls=ref_cls, dta_cls=dta_cls, num_iterations=2)
+
+
+def test_gradient_checkpointing_maps_to_graph_budget(tmp_path, model_dir, tokenizer, dataset, caplog):
+    # TRL's default gradient_checkpointing=True: DTA micro-batches run the engine's block recompute instead (blocks of
+    # 4 tokens here, so the recompute path runs), with the same results.
+    with caplog.at_level(logging.WARNING):
+        _, dta = compare(tmp_path, model_dir, tokenizer, dataset, gradient_checkpointing=True, num_iterations=2,
+                         dta_config={**DTA, "dta_block_size": 4})
+    engine = next(iter(dta.trainer._dta_engines.values()))
+    assert engine.max_graph_tokens == 4
+    assert engine.last_stats["recomputed_tokens"] > 0
+    assert any(entry["dta/forward_tokens"] > entry["dta/tree_tokens"] for entry in dta.logs)
+
+
+def test_dense_fallback_below_min_compression(tmp_path, model_dir, tokenizer, dataset):
+    ref = train(GRPOTrainer, GRPOConfig, model_dir, tokenizer, dataset, tmp_path / "trl", num_iterations=2)
+    dta = train(DTAGRPOTrainer, DTAGRPOConfig, model_dir, tokenizer, dataset, tmp_path / "dta", num_iterations=2,
+                dta_min_compression=100.0, dta_group_shuffle=False)
+    assert all(entry["dta/dense_fallback"] == 1.0 for entry in dta.logs)
+    assert not any("dta/tree_tokens" in entry for entry in dta.logs)
+    assert_equivalent(ref, dta, rtol=1e-6)
+
+
+def test_group_shuffle_keeps_groups_and_matches_the_step(tmp_path, model_dir, tokenizer, dataset):
+    # With the loss normalised by the generation batch's token count (dapo) and one optimizer step per generation,
+    # the step's gradient does not depend on how rows are grouped into micro-batches; the group-aware split draws the
+    # same random permutation as TRL's shuffle, so generations stay identical too.
+    # Float64: the micro-batches differ from TRL's, so float32 rounding would differ in summation order too.
+    config = dict(loss_type="dapo", steps=3, model_init_kwargs={"dtype": torch.float64})
+    ref = train(GRPOTrainer, GRPOConfig, model_dir, tokenizer, dataset, tmp_path / "trl", **config)
+    dta = train(DTAGRPOTrainer, DTAGRPOConfig, model_dir, tokenizer, dataset, tmp_path / "dta", **config,
+                dta_min_compression=0.0)
+    for batch in dta.trainer._buffered_inputs:
+        rows = {tuple(r) for r in batch["prompt_ids"].tolist()}
+        assert len(rows) == 1, "a micro-batch holds more than one group"
+    assert_params_close(ref, dta)
+    assert_equivalent(ref, dta, rtol=1e-5, compare_metrics=False)
+    # A whole group per micro-batch compresses better than TRL's scattered rows.
+    scattered = train(DTAGRPOTrainer, DTAGRPOConfig, model_dir, tokenizer, dataset, tmp_path / "scattered", **config,
+                      **DTA)
+    grouped_ratio = sum(e["dta/compression_ratio"] for e in dta.logs)
+    assert grouped_ratio > sum(e["dta/compression_ratio"] for e in scattered.logs)
+
+
+def test_resume_from_checkpoint_follows_the_same_trajectory(tmp_path, model_dir, tokenizer, dataset):
+    config = dict(steps=4, save_strategy="steps", save_steps=2, num_iterations=1, dta_min_compression=0.0)
+    full = train(DTAGRPOTrainer, DTAGRPOConfig, model_dir, tokenizer, dataset, tmp_path / "full", **config)
+    resumed_trainer = DTAGRPOTrainer(
+        model=model_dir,
+        reward_funcs=full.trainer.reward_funcs[0],
+        args=make_args(DTAGRPOConfig, tmp_path / "resumed", **config),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+    resumed_trainer.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+    for name, p in resumed_trainer.model.named_parameters():
+        assert torch.allclose(p, full.final[name], rtol=0, atol=1e-6), f"{name} differs after resuming"
+    losses = [e["loss"] for e in resumed_trainer.state.log_history if "loss" in e]
+    assert losses[-2:] == pytest.approx([e["loss"] for e in full.logs][-2:], abs=1e-6)
+
+
+# ------------------------------------------------------------------ construction errors
+
+
+def _make(tmp_path, tokenizer, dataset, model, peft_config=None, **config):
+    args = DTAGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False,
+                         per_device_train_batch_size=4, num_generations=4, **config)
+    return DTAGRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+                          train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config)
+
+
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("fp16", "`fp16=True` is not supported with DTA"),
+        ("liger", "`use_liger_kernel=True` is not supported with DTA"),
+        ("lomo", "fuses the optimizer step into `backward`"),
+        ("attention_dropout", "Attention dropout is active"),
+        ("moe_aux_loss", "Set `router_aux_loss_coef=0.0`"),
+        ("prompt_tuning", "Prompt-learning adapters"),
+        ("dynamic_rope", "rope_type 'dynamic'"),
+    ],
+)
+def test_construction_errors(tmp_path, model_dir, tokenizer, dataset, case, message):
+    model, peft_config, config = model_dir, None, {}
+    if case == "fp16":
+        config = {"fp16": True}
+    elif case == "liger":
+        config = {"use_liger_kernel": True}
+    elif case == "lomo":
+        config = {"optim": "lomo"}
+    elif case == "attention_dropout":
+        model = build_model(len(tokenizer), attention_dropout=0.1)
+    elif case == "moe_aux_loss":
+        torch.manual_seed(0)
+        model = MixtralForCausalLM(MixtralConfig(
+            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1,
+        ))
+    elif case == "prompt_tuning":
+        peft_config = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2)
+    elif case == "dynamic_rope":
+        model = build_model(len(tokenizer), rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                             "rope_theta": 10000.0})
+    with pytest.raises((ValueError, NotImplementedError), match=_escape(message)):
+        _make(tmp_path, tokenizer, dataset, model, peft_config=peft_config, **config)
+
+
+def _escape(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("dta_block_size", 0, "`dta_block_size` must be a positive integer"),
+        ("dta_max_batch_tokens", -1, "`dta_max_batch_tokens` must be a positive integer"),
+        ("dta_max_graph_tokens", -5, "`dta_max_graph_tokens` must be None or a non-negative integer"),
+        ("dta_min_compression", float("nan"), "`dta_min_compression` must be a finite number"),
+    ],
+)
+def test_config_validation(tmp_path, field, value, message):
+    with pytest.raises(ValueError, match=_escape(message)):
+        DTAGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, **{field: value})
+
+
+def test_config_documents_every_field():
+    import re
+    from dataclasses import fields
+
+    from trl_dta.trainers._mixin import DTAArguments
+
+    doc = " ".join(DTAGRPOConfig.__doc__.split())
+    for f in fields(DTAArguments):
+        assert f.name in {g.name for g in fields(DTAGRPOConfig)}
+        assert " ".join(f.metadata["help"].split()) in doc, f"{f.name}: help text missing from the docstring"
+    assert re.search(r"dta_enabled \(`bool`, \*optional\*, defaults to `True`\)", doc)
+
+
+def test_disabled_is_trl(tmp_path, model_dir, tokenizer, dataset):
+    ref = train(GRPOTrainer, GRPOConfig, model_dir, tokenizer, dataset, tmp_path / "trl")
+    dta = train(DTAGRPOTrainer, DTAGRPOConfig, model_dir, tokenizer, dataset, tmp_path / "dta", dta_enabled=False)
+    assert not any(k.startswith("dta/") for entry in dta.logs for k in entry)
+    assert_equivalent(ref, dta, rtol=0.0, atol=0.0)

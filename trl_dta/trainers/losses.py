@@ -1,0 +1,211 @@
+"""TRL's policy objectives, one sequence at a time.
+
+`GRPOTrainer._compute_loss` and `RLOOTrainer._compute_loss` compute a loss over a padded micro-batch. Every
+normaliser in them depends only on masks and counts, so the micro-batch loss is a sum of per-sequence terms:
+
+```
+loss = sum_i term_i(logps_i, entropies_i)        term_i = (per-token loss of row i * mask_i).sum() / divisor_i
+```
+
+The engine calls a term at each leaf of the prefix tree, with that sequence's log-probs (and entropies) as live
+tensors, so the backward of `sum_i term_i` is the dense backward of TRL's loss. The classes here hold a micro-batch's
+constants (masks, advantages, old/reference log-probs, the normalisers) and compute `term_i` with exactly TRL's
+formulas, row by row. Options whose loss is not such a sum (`top_entropy_quantile < 1`, which thresholds entropies
+over the whole micro-batch) are not handled here: the trainer mixin falls back to its exact two-pass path.
+
+Shapes below: `B` rows, `T = logits_to_keep` completion columns; a row's `C_i` valid completion tokens sit in its first
+`C_i` columns (TRL right-pads completions), so a term only reads columns `[:C_i]`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _rows(x: torch.Tensor | None, i: int, n: int) -> torch.Tensor | None:
+    """Row `i` of a `(B, T)` tensor restricted to its first `n` columns, or of a `(B, 1)` tensor as shape `(1,)`."""
+    if x is None:
+        return None
+    if x.dim() == 1:
+        return x[i].reshape(1)
+    return x[i, :n] if x.size(1) != 1 else x[i].reshape(1)
+
+
+class GRPOSequenceLoss:
+    """`GRPOTrainer._compute_loss` (train mode) as per-sequence terms, for one micro-batch.
+
+    Args:
+        trainer ([`~trl.GRPOTrainer`]): the trainer (its loss settings and static helpers `get_off_policy_mask`,
+            `get_gamma_weights` are used, so subclass overrides of those helpers apply).
+        inputs (`dict`): the micro-batch as `_prepare_inputs` returns it: `completion_mask` `(B, T)`, `advantages`
+            `(B,)` or `(B, T)`, `num_items_in_batch`, and when present `tool_mask`, `old_per_token_logps`,
+            `ref_per_token_logps`, `importance_sampling_ratio` `(B, T)` or `(B, 1)`, `sampling_per_token_logps`.
+        scale (`float`): factor applied to every term on top of TRL's normalisation (the gradient-accumulation scaling
+            the HF `Trainer` applies to the returned loss, 1.0 for GRPO).
+    """
+
+    def __init__(self, trainer, inputs: dict, scale: float):
+        t, args = trainer, trainer.args
+        completion_mask = inputs["completion_mask"]
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        self.trainer = t
+        self.loss_type = t.loss_type
+        self.level = t.importance_sampling_level
+        if self.level not in ("token", "sequence"):
+            raise ValueError(
+                f"Unknown importance sampling level: {self.level}. Possible values are 'token' and 'sequence'."
+            )
+        self.epsilon_low, self.epsilon_high, self.delta = t.epsilon_low, t.epsilon_high, args.delta
+        self.beta, self.bias_correction_kl = t.beta, args.use_bias_correction_kl
+        self.off_policy_threshold = t.off_policy_mask_threshold
+        self.vllm_is = t.use_vllm and t.vllm_importance_sampling_correction
+
+        self.mask = mask.float()
+        self.advantages = inputs["advantages"]
+        self.old = inputs.get("old_per_token_logps")
+        self.ref = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
+        self.is_ratio = inputs.get("importance_sampling_ratio")
+        self.sampling = inputs.get("sampling_per_token_logps")
+
+        # TRL's normaliser of `(per_token_loss * mask).sum()`, per row (train mode, so divided by the accumulation).
+        rows = mask.size(0)
+        accumulation = t.current_gradient_accumulation_steps
+        if self.loss_type in ("grpo", "sapo"):
+            divisor = self.mask.sum(-1).clamp(min=1.0) * rows * accumulation
+        elif self.loss_type == "bnpo":
+            divisor = (self.mask.sum().clamp(min=1.0) * accumulation).expand(rows)
+        elif self.loss_type == "dr_grpo":
+            divisor = torch.full((rows,), float(rows * t.max_completion_length * accumulation), device=mask.device)
+        elif self.loss_type in ("cispo", "dapo", "vespo"):
+            normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / t.accelerator.num_processes
+            normalizer = normalizer * accumulation / args.steps_per_generation
+            divisor = normalizer.float().expand(rows)
+        elif self.loss_type == "luspo":
+            divisor = torch.full((rows,), float(rows * accumulation), device=mask.device)
+        else:
+            raise ValueError(f"Unknown loss type: {self.loss_type}")
+        self.row_scale = scale / divisor
+
+        # Entropy bonus: `- coef * (entropies * mask).sum() / mask.sum().clamp(min=1) / accumulation`, with the
+        # coefficient TRL applies in this accumulation window (adaptive mode gates it on the last measured entropy).
+        coef = 0.0
+        if t._entropy_bonus_enabled:
+            coef = t.entropy_coef
+            if t.use_adaptive_entropy and not t._last_world_entropy <= args.entropy_target:
+                coef = 0.0
+        self.needs_entropy_grad = coef != 0.0
+        self.entropy_scale = scale * coef / (self.mask.sum().clamp(min=1.0) * accumulation)
+
+    def __call__(self, i: int, logps: torch.Tensor, entropies: torch.Tensor | None) -> torch.Tensor:
+        """Term of row `i`.
+
+        Args:
+            i (`int`): row index in the micro-batch.
+            logps (`torch.Tensor` of shape `(C_i,)`): the policy's log-probs of the row's valid completion tokens.
+            entropies (`torch.Tensor` of shape `(C_i,)`, *optional*): their entropies (needed for the entropy bonus).
+
+        Returns:
+            `torch.Tensor`: scalar, row `i`'s share of TRL's micro-batch loss (times `scale`).
+        """
+        n = logps.size(0)
+        if n == 0:
+            return logps.sum()  # a zero connected to the graph: the row has no scored token
+        mask = self.mask[i, :n]
+        adv = _rows(self.advantages, i, n)
+        old = logps.detach() if self.old is None else self.old[i, :n]
+
+        if self.off_policy_threshold is not None:
+            sampling = old if self.sampling is None else self.sampling[i, :n]
+            keep = self.trainer.get_off_policy_mask(
+                advantages=adv.view(1, -1),
+                per_token_logps=logps.view(1, -1),
+                sampling_per_token_logps=sampling.view(1, -1),
+                mask=mask.view(1, -1),
+                off_policy_threshold=self.off_policy_threshold,
+            ).view(-1)
+
+        log_ratio = logps - old
+        if self.level == "token":
+            log_weights = log_ratio
+        else:
+            log_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        coef_1 = torch.exp(log_weights)
+
+        if self.beta != 0.0:
+            ref = self.ref[i, :n]
+            per_token_kl = torch.exp(ref - logps) - (ref - logps) - 1
+            if self.bias_correction_kl:
+                per_token_kl = per_token_kl * coef_1
+
+        if self.loss_type == "cispo":
+            clamped = torch.clamp(coef_1, max=self.epsilon_high).detach()
+            per_token_loss = -clamped * adv * logps
+        elif self.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+            coef_2 = torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)
+            if self.delta is not None:
+                coef_1 = torch.clamp(coef_1, max=self.delta)
+            per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
+        elif self.loss_type == "sapo":
+            args = self.trainer.args
+            temperatures = torch.where(adv > 0, args.sapo_temperature_pos, args.sapo_temperature_neg)
+            soft_coef_1 = torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
+            per_token_loss = -soft_coef_1 * adv
+        elif self.loss_type == "vespo":
+            args = self.trainer.args
+            ratio = _rows(self.is_ratio, i, n)
+            phi_seq = self.trainer.get_gamma_weights(
+                advantages=adv.view(1, -1),
+                log_ratio_per_token=log_ratio.view(1, -1),
+                mask=mask.view(1, -1),
+                importance_sampling_ratio=None if ratio is None else ratio.view(1, -1),
+                k_pos=args.vespo_k_pos,
+                lambda_pos=args.vespo_lambda_pos,
+                k_neg=args.vespo_k_neg,
+                lambda_neg=args.vespo_lambda_neg,
+            ).view(-1)
+            per_token_loss = -phi_seq * adv * logps
+        else:
+            raise ValueError(f"Unknown loss type: {self.loss_type}")
+
+        if self.off_policy_threshold is not None:
+            per_token_loss = per_token_loss * keep
+        if self.vllm_is and self.loss_type != "vespo":
+            per_token_loss = per_token_loss * _rows(self.is_ratio, i, n)
+        if self.beta != 0.0:
+            per_token_loss = per_token_loss + self.beta * per_token_kl
+
+        term = (per_token_loss * mask).sum() * self.row_scale[i]
+        if self.needs_entropy_grad:
+            term = term - self.entropy_scale * (entropies * mask).sum()
+        return term
+
+
+class RLOOSequenceLoss:
+    """`RLOOTrainer._compute_loss` (train mode) as per-sequence terms, for one micro-batch.
+
+    RLOO's loss is the row mean of `-min(r_i * A_i, clip(r_i) * A_i)` with `r_i = exp(sum_t logps_it - old_logps_i)`
+    (a sequence-level ratio over the completion mask).
+
+    Args:
+        trainer ([`~trl.RLOOTrainer`]): the trainer (clipping range).
+        inputs (`dict`): the micro-batch: `completion_mask` `(B, T)`, `old_logps` `(B,)`, `advantages` `(B,)`.
+        scale (`float`): factor applied to every term (the HF `Trainer`'s `1 / gradient_accumulation_steps`).
+    """
+
+    def __init__(self, trainer, inputs: dict, scale: float):
+        self.epsilon_low, self.epsilon_high = trainer.epsilon_low, trainer.epsilon_high
+        self.completion_mask = inputs["completion_mask"].float()
+        self.old_logps = inputs["old_logps"]
+        self.advantages = inputs["advantages"]
+        self.row_scale = scale / self.completion_mask.size(0)
+
+    needs_entropy_grad = False
+
+    def __call__(self, i: int, logps: torch.Tensor, entropies: torch.Tensor | None) -> torch.Tensor:
+        """Term of row `i` from its valid completion log-probs `logps` of shape `(C_i,)`."""
+        n = logps.size(0)
+        seq_logps = (logps * self.completion_mask[i, :n]).sum()
+        coef_1 = torch.exp(seq_logps - self.old_logps[i])
+        coef_2 = torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)
+        advantage = self.advantages[i]
+        return -torch.min(coef_1 * advantage, coef_2 * advantage) * self.row_scale
