@@ -1,0 +1,408 @@
+"""Shared benchmark plumbing: the random-weight model, the loss, timing, peak memory, isolation, CSV and plots.
+
+Every benchmark measures *providers* (`dense`, `dense+ckpt`, `sparse`, `dta`) that share one interface:
+
+```python
+provider = make_provider(model)                 # see benchmarks/baselines and bench_engine.PROVIDERS
+loss = provider.forward_backward(seqs, loss_fn)  # adds d(sum_i loss_fn(i, logps_i, None))/d(theta) to .grad
+```
+
+with `loss_fn(i, logps_i, entropy_i)` the per-sequence loss of [`~trl_dta.DTAEngine.forward_backward`]. A training
+step is `forward_backward` followed by an optimizer step, timed together.
+
+Peak memory is measured per provider in a fresh process (`run_isolated` forks a child that has imported everything
+but run nothing), as the peak resident set above the resident set after the model and optimizer state were built
+(`/proc/self/status` VmHWM after a reset through `/proc/self/clear_refs`), or `torch.cuda.max_memory_allocated`
+above the allocation at the same point on GPU.
+"""
+
+from __future__ import annotations
+
+import csv
+import gc
+import math
+import multiprocessing
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trl_dta.flops import ModelShape, get_model_shape
+
+
+CSV_COLUMNS = [
+    "workload",
+    "method",
+    "n_sequences",
+    "n_tokens",
+    "n_tree_tokens",
+    "compression_ratio",
+    "ideal_ratio",
+    "step_s",
+    "median_step_s",
+    "tokens_per_s",
+    "speedup_vs_dense",
+    "speedup_vs_sparse",
+    "fraction_of_ideal",
+    "peak_mem_mb",
+    "mem_vs_dense",
+    "tflops",
+    "model_shape",
+    "device",
+    "dtype",
+    "loadavg",
+    "loss",
+    "error",
+]
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp64": torch.float64, "float64": torch.float64, "fp16": torch.float16, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+# ---------------------------------------------------------------------------------------------------- model
+
+
+def build_model(
+    shape: str | ModelShape,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    seed: int = 0,
+    attn_implementation: str = "sdpa",
+    max_position_embeddings: int = 32768,
+):
+    """A Qwen2-shaped (Qwen3-shaped for `qwen3-*` shapes) causal LM with random weights, in train mode.
+
+    Args:
+        shape (`str` or [`~trl_dta.flops.ModelShape`]): the model's shape (a name of `trl_dta.flops.MODEL_SHAPES`).
+        dtype (`torch.dtype`, *optional*, defaults to `torch.float32`): parameter dtype.
+        device (`str`, *optional*, defaults to `"cpu"`): where the parameters live.
+        seed (`int`, *optional*, defaults to `0`): initialisation seed (the global RNG is left untouched).
+        attn_implementation (`str`, *optional*, defaults to `"sdpa"`): attention backend of the dense path.
+        max_position_embeddings (`int`, *optional*, defaults to `32768`): longest position (RoPE table).
+    """
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    shape = get_model_shape(shape)
+    qwen3 = shape.name.startswith("qwen3")
+    config_cls, model_cls = (Qwen3Config, Qwen3ForCausalLM) if qwen3 else (Qwen2Config, Qwen2ForCausalLM)
+    config = config_cls(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        attn_implementation=attn_implementation,
+        dtype=dtype,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = model_cls(config).to(dtype)
+    return model.train()
+
+
+def make_optimizer(model) -> torch.optim.Optimizer:
+    """AdamW with its state already allocated (so that peak-memory deltas hold activations only)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0, foreach=False)
+    for p in params:
+        state = opt.state[p]
+        state["step"] = torch.tensor(0.0)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return opt
+
+
+def make_loss_fn(n_sequences: int, n_tokens: int, seed: int = 0) -> Callable:
+    """A GRPO-like per-sequence loss: `-A_i * sum_t logp_i[t] / n_tokens` with fixed random advantages `A_i`.
+
+    The same function is given to every provider, so that their losses and gradients are comparable.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    advantages = torch.randn(n_sequences, generator=gen, dtype=torch.float64).tolist()
+    scale = 1.0 / max(n_tokens, 1)
+
+    def loss_fn(i: int, logps: torch.Tensor, entropy: torch.Tensor | None = None) -> torch.Tensor:
+        return logps.sum() * (-advantages[i] * scale)
+
+    return loss_fn
+
+
+# ---------------------------------------------------------------------------------------------------- memory
+
+
+class PeakMemory:
+    """Peak memory above a baseline, in MiB: CUDA allocator peak on GPU, resident-set high-water mark on CPU.
+
+    Call `reset()` at the baseline; `peak_mb()` afterwards returns the peak since then minus the baseline.
+    """
+
+    def __init__(self, device: str):
+        self.cuda = str(device).startswith("cuda")
+        self.base = 0
+
+    @staticmethod
+    def _status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError(f"{key} missing from /proc/self/status")
+
+    def reset(self) -> None:
+        gc.collect()
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+            return
+        _trim()
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS
+        except OSError:
+            pass
+        self.base = self._status("VmRSS")
+
+    def peak_mb(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return (torch.cuda.max_memory_allocated() - self.base) / 2**20
+        return (self._status("VmHWM") - self.base) / 2**20
+
+
+def _trim() -> None:
+    """Give freed heap memory back to the OS (glibc), so that the next peak is measured from a clean baseline."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+# ---------------------------------------------------------------------------------------------------- timing
+
+
+@dataclass
+class Timing:
+    step_s: float  # fastest timed step (robust to interference from other processes on a shared machine)
+    median_s: float
+    steps: int
+    peak_mem_mb: float
+
+
+def time_steps(step: Callable[[], None], device: str, warmup: int = 1, iters: int = 2, min_time: float = 0.0) -> Timing:
+    """Run `step` `warmup` times, then at least `iters` times (and at least `min_time` seconds), and time it.
+
+    The reported step time is the fastest timed step: other processes only ever add time, so the minimum is the
+    best estimate of the method's own cost on a shared machine (the median is kept too).
+
+    The peak memory covers every call, warm-up included, from a baseline taken before the first one.
+    """
+    mem = PeakMemory(device)
+    mem.reset()
+    cuda = str(device).startswith("cuda")
+    for _ in range(warmup):
+        step()
+    times = []
+    start = time.perf_counter()
+    while len(times) < iters or time.perf_counter() - start < min_time:
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return Timing(step_s=times[0], median_s=times[len(times) // 2], steps=len(times), peak_mem_mb=mem.peak_mb())
+
+
+# ---------------------------------------------------------------------------------------------------- isolation
+
+
+def _child(conn, fn, args, kwargs):
+    try:
+        conn.send(("ok", fn(*args, **kwargs)))
+    except BaseException as e:  # report any failure to the parent, with its traceback
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        conn.close()
+
+
+def run_isolated(fn: Callable, *args, isolate: bool = True, timeout: float | None = None, **kwargs):
+    """Run `fn(*args, **kwargs)` in a forked child process and return its (picklable) result.
+
+    The parent must not have run any torch computation before (OpenMP thread pools do not survive a fork); the
+    child inherits the imported modules, so that no import time is paid per run. With `isolate=False` it runs
+    in-process (for debugging).
+
+    Raises:
+        `RuntimeError`: with the child's traceback when it failed, was killed (e.g. out of memory) or timed out.
+    """
+    if not isolate:
+        return fn(*args, **kwargs)
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(child, fn, args, kwargs))
+    proc.start()
+    child.close()
+    result = None
+    if parent.poll(timeout):
+        try:
+            result = parent.recv()
+        except EOFError:
+            result = None
+    proc.join(5 if result is not None else 0.1)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    if result is None:
+        raise RuntimeError(f"benchmark child died or timed out (exit code {proc.exitcode})")
+    status, value = result
+    if status == "error":
+        raise RuntimeError(value)
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------- results
+
+
+def fill_ratios(rows: list[dict]) -> list[dict]:
+    """Add speed-ups over `dense` and `sparse`, fraction of ideal and memory relative to dense, per workload."""
+    by_workload: dict[str, dict[str, dict]] = {}
+    for row in rows:
+        by_workload.setdefault(row["workload"], {})[row["method"]] = row
+    for methods in by_workload.values():
+        dense, sparse = methods.get("dense"), methods.get("sparse")
+        for row in methods.values():
+            tps = row.get("tokens_per_s")
+            for ref, key in ((dense, "speedup_vs_dense"), (sparse, "speedup_vs_sparse")):
+                row[key] = tps / ref["tokens_per_s"] if ref and ref.get("tokens_per_s") and tps else None
+            speedup = row["speedup_vs_dense"]
+            row["fraction_of_ideal"] = speedup / row["ideal_ratio"] if speedup and row.get("ideal_ratio") else None
+            mem = row.get("peak_mem_mb")
+            row["mem_vs_dense"] = (
+                mem / dense["peak_mem_mb"] if dense and dense.get("peak_mem_mb") and mem is not None else None
+            )
+    return rows
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        if math.isnan(value):
+            return ""
+        return f"{value:.4g}"
+    return str(value)
+
+
+def write_csv(rows: list[dict], path: str | Path) -> Path:
+    """Write rows with the fixed `CSV_COLUMNS` (missing values empty)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _fmt(row.get(k)) for k in CSV_COLUMNS})
+    return path
+
+
+def read_csv(path: str | Path) -> list[dict]:
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for row in rows:
+        for k, v in row.items():
+            if k in ("workload", "method", "model_shape", "device", "dtype", "error"):
+                continue
+            try:
+                row[k] = float(v) if v != "" else None
+            except ValueError:
+                pass
+    return rows
+
+
+def markdown_table(rows: list[dict], columns: Sequence[str] | None = None) -> str:
+    """Rows as a GitHub markdown table."""
+    columns = list(columns or [
+        "workload", "method", "n_tokens", "n_tree_tokens", "ideal_ratio", "tokens_per_s", "speedup_vs_dense",
+        "speedup_vs_sparse", "fraction_of_ideal", "peak_mem_mb", "mem_vs_dense",
+    ])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = []
+        for c in columns:
+            v = row.get(c)
+            if isinstance(v, float) and c in ("n_tokens", "n_tree_tokens", "n_sequences"):
+                v = int(v)
+            elif isinstance(v, float):
+                v = f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+            cells.append("" if v is None else str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(csv_path: str | Path, png_path: str | Path | None = None) -> Path:
+    """Bar chart of tokens/s per workload and method (log scale), with the ideal speed-up marked over dense."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in read_csv(csv_path) if r.get("tokens_per_s")]
+    png_path = Path(png_path or Path(csv_path).with_suffix(".png"))
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    width = 0.8 / max(len(methods), 1)
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(workloads) + 2), 4.5))
+    for m, method in enumerate(methods):
+        xs, ys = [], []
+        for w, workload in enumerate(workloads):
+            for r in rows:
+                if r["workload"] == workload and r["method"] == method:
+                    xs.append(w + (m - (len(methods) - 1) / 2) * width)
+                    ys.append(r["tokens_per_s"])
+        ax.bar(xs, ys, width, label=method)
+    for w, workload in enumerate(workloads):
+        dense = [r for r in rows if r["workload"] == workload and r["method"] == "dense"]
+        if dense and dense[0].get("ideal_ratio"):
+            ideal = dense[0]["tokens_per_s"] * dense[0]["ideal_ratio"]
+            ax.hlines(ideal, w - 0.45, w + 0.45, colors="black", linestyles="dashed")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(workloads)))
+    ax.set_xticklabels(workloads, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("training tokens / s (rollout tokens)")
+    ax.set_title(f"{Path(csv_path).stem}: dashed = dense x ideal FLOP ratio")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    return png_path
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def set_threads(n: int | None) -> None:
+    if n:
+        torch.set_num_threads(n)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

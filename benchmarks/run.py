@@ -1,0 +1,132 @@
+"""The benchmark suite: every workload of `benchmarks/workloads.py` x every method, side by side.
+
+```
+python -m benchmarks.run --quick        # < 10 min on a 2-core CPU: quick model (hidden 256, 4 layers), quick sizes
+python -m benchmarks.run --full         # bench-cpu model (hidden 512, 8 layers), full sizes (long on a CPU)
+python -m benchmarks.run --full --device cuda --dtype bf16 --model-shape qwen3-1.7b
+python -m benchmarks.run --plot benchmarks/results/quick.csv   # redraw a chart from a CSV
+```
+
+Methods (see `bench_engine.PROVIDERS`): `dense` (TRL's GRPO path: padded micro-batches, fused LM head),
+`dense+ckpt` (with HF gradient checkpointing), `sparse` (packed tree mask, `baselines/sparse.py`), `dta`
+(`DTAEngine.forward_backward`, every graph kept) and `dta-lowmem` (`max_graph_tokens` budget: recompute). A step is
+forward + backward + AdamW step; tokens/s counts raw rollout tokens (`n_tokens`), the same for every method.
+
+Outputs: `benchmarks/results/<name>.csv` (columns `common.CSV_COLUMNS`), `<name>.png` (bar chart, separate
+`--plot` step possible) and `<name>.md` (markdown table). `<name>` is `quick`, `full` or `--name`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from trl_dta.flops import get_model_shape
+
+from . import common, workloads
+from .bench_engine import PROVIDERS, MethodConfig, run_grid
+
+
+RESULTS = Path("benchmarks/results")
+
+
+def targets(rows: list[dict]) -> list[tuple[str, str, bool | None]]:
+    """The project's speed and memory targets, checked on a run's rows: (target, measured, met)."""
+
+    def get(workload_prefix, method, key):
+        for r in rows:
+            if r["workload"].startswith(workload_prefix) and r["method"] == method and r.get(key) is not None:
+                return r[key]
+        return None
+
+    out = []
+    f = get("multiturn-9x", "dta", "fraction_of_ideal")
+    out.append(("multi-turn 9x: DTA >= 0.8 of ideal over dense", f"{f:.2f}" if f else "n/a", f >= 0.8 if f else None))
+    s = get("multiturn-9x", "dta", "speedup_vs_sparse")
+    out.append(("multi-turn 9x: DTA >= 1.7x over sparse", f"{s:.2f}x" if s else "n/a", s >= 1.7 if s else None))
+    for r in rows:
+        if r["workload"].startswith("grpo") and r["method"] == "dta" and r.get("fraction_of_ideal"):
+            f = r["fraction_of_ideal"]
+            out.append((f"{r['workload']}: DTA >= 0.85 of ideal", f"{f:.2f}", f >= 0.85))
+    s = get("no-sharing", "dta", "speedup_vs_dense")
+    out.append(("no sharing: DTA >= 0.95x dense", f"{s:.2f}x" if s else "n/a", s >= 0.95 if s else None))
+    for method in ("dta", "dta-lowmem"):
+        m = get("multiturn-9x", method, "mem_vs_dense")
+        if m is not None:
+            out.append((f"multi-turn 9x: {method} peak memory <= 0.5x dense", f"{m:.2f}x", m <= 0.5))
+    return out
+
+
+def targets_table(rows: list[dict]) -> str:
+    lines = ["| target | measured | met |", "|---|---|---|"]
+    for name, value, met in targets(rows):
+        lines.append(f"| {name} | {value} | {'yes' if met else 'no' if met is not None else 'n/a'} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="quick suite (default)")
+    size.add_argument("--full", action="store_true", help="full-size suite")
+    p.add_argument("--plot", default=None, metavar="CSV", help="only redraw the chart of a results CSV")
+    p.add_argument("--model-shape", default=None,
+                   help="bench-cpu-quick (quick) / bench-cpu (full) by default; qwen3-1.7b, qwen2-0.5b, ...")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="fp32", help="fp32, bf16, fp16, fp64")
+    p.add_argument("--methods", default="dense,dense+ckpt,sparse,dta,dta-lowmem",
+                   help=f"comma-separated, from {list(PROVIDERS)}")
+    p.add_argument("--workloads", default="", help="comma-separated workload names (default: all)")
+    p.add_argument("--micro-batch-size", type=int, default=1, help="dense rows per micro-batch")
+    p.add_argument("--sparse-attention", default="blocks", choices=["blocks", "mask"])
+    p.add_argument("--dta-max-batch-tokens", type=int, default=8192)
+    p.add_argument("--dta-lowmem-graph-tokens", type=int, default=1024)
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the methods (best step kept)")
+    p.add_argument("--iters", type=int, default=1, help="timed steps per process")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per run (default 1 on CPU: avoids OpenMP oversubscription on a shared machine)")
+    p.add_argument("--name", default=None, help="results file name (default: quick / full)")
+    p.add_argument("--no-isolate", action="store_true", help="run in-process (debugging; memory numbers leak)")
+    args = p.parse_args(argv)
+
+    if args.plot:
+        print(common.plot(args.plot))
+        return
+    full = args.full
+    cpu = args.device == "cpu"
+    shape = args.model_shape or ("bench-cpu" if full else "bench-cpu-quick")
+    threads = args.threads if args.threads is not None else (1 if cpu else None)
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in methods if m not in PROVIDERS]
+    if unknown:
+        p.error(f"unknown methods {unknown}; choose from {list(PROVIDERS)}")
+    vocab = min(get_model_shape(shape).vocab_size, 32768)
+    grid = workloads.by_name(workloads.suite("full" if full else "quick", vocab_size=vocab),
+                             [w for w in args.workloads.split(",") if w])
+    cfg = MethodConfig(
+        micro_batch_size=args.micro_batch_size,
+        sparse_attention=args.sparse_attention,
+        dta_max_batch_tokens=args.dta_max_batch_tokens,
+        dta_lowmem_graph_tokens=args.dta_lowmem_graph_tokens,
+    )
+    name = args.name or ("full" if full else "quick") + ("" if cpu else f"-{args.device}-{args.dtype}")
+    start = time.perf_counter()
+    rows = run_grid(grid, methods, shape, args.device, args.dtype, cfg, iters=args.iters, rounds=args.rounds,
+                    isolate=not args.no_isolate, threads=threads)
+    elapsed = time.perf_counter() - start
+    csv_path = common.write_csv(rows, RESULTS / f"{name}.csv")
+    png_path = common.plot(csv_path)
+    table = common.markdown_table(rows)
+    header = (
+        f"`python -m benchmarks.run {' '.join(argv) if argv is not None else ''}`".replace(" `", "`")
+        + f": model {shape}, {args.device}, {args.dtype}, threads {threads}, {elapsed / 60:.1f} min"
+    )
+    md = f"{header}\n\n{table}\n\n{targets_table(rows)}\n"
+    (RESULTS / f"{name}.md").write_text(md)
+    print(md)
+    print(f"wrote {csv_path}, {png_path}, {RESULTS / f'{name}.md'} in {elapsed / 60:.1f} min")
+
+
+if __name__ == "__main__":
+    main()
