@@ -29,7 +29,7 @@ def dense_logps(model, seq: torch.Tensor, temperature: float = 1.0) -> tuple[tor
     return logps, entropy
 
 
-def dense_forward_backward(model, seqs, loss_fn, temperature: float = 1.0, n_scored=None):
+def dense_forward_backward(model, seqs, loss_fn, temperature: float = 1.0, n_scored=None, entropy: bool = True):
     """`sum_i loss_fn(i, logps_i, entropy_i)`, one sequence at a time; gradients accumulate into `.grad`.
     With `n_scored`, only the last `n_scored[i]` log-probs of sequence `i` are passed on.
 
@@ -42,7 +42,7 @@ def dense_forward_backward(model, seqs, loss_fn, temperature: float = 1.0, n_sco
         if n_scored is not None:
             keep = len(lp) - min(n_scored[i], len(lp))
             lp, ent = lp[keep:], ent[keep:]
-        loss = loss_fn(i, lp, ent)
+        loss = loss_fn(i, lp, ent if entropy else None)
         if loss.requires_grad:
             loss.backward()
         total = total + loss.detach()

@@ -25,18 +25,21 @@ def nonlinear_loss(i, lp, ent):
     return loss
 
 
-def check(model, seqs, tol, *, loss_fn=nonlinear_loss, temperature=1.0, n_scored=None, **engine_kw):
+def check(model, seqs, tol, *, loss_fn=nonlinear_loss, temperature=1.0, n_scored=None, entropy=True, **engine_kw):
     model.zero_grad(set_to_none=True)
-    want_loss, want_lp, want_ent = dense_forward_backward(model, seqs, loss_fn, temperature, n_scored)
+    want_loss, want_lp, want_ent = dense_forward_backward(model, seqs, loss_fn, temperature, n_scored, entropy)
     want = grads_of(model)
     model.zero_grad(set_to_none=True)
     engine = DTAEngine(model, **engine_kw)
-    out = engine.forward_backward(seqs, loss_fn, temperature=temperature, entropy=True, n_scored=n_scored)
+    out = engine.forward_backward(seqs, loss_fn, temperature=temperature, entropy=entropy, n_scored=n_scored)
     got = grads_of(model)
     err_lp, i = compare_lists(out.logps, want_lp)
     assert err_lp <= tol, f"log-probs differ by {err_lp:.3g} (sequence {i})"
-    err_ent, i = compare_lists(out.entropies, want_ent)
-    assert err_ent <= tol, f"entropies differ by {err_ent:.3g} (sequence {i})"
+    if entropy:
+        err_ent, i = compare_lists(out.entropies, want_ent)
+        assert err_ent <= tol, f"entropies differ by {err_ent:.3g} (sequence {i})"
+    else:
+        assert out.entropies is None
     loss_err = abs(out.loss.item() - float(want_loss)) / max(abs(float(want_loss)), 1e-30)
     assert loss_err <= tol, f"loss {out.loss.item()} != {float(want_loss)}"
     err_g, name = compare_grads(got, want)
@@ -77,9 +80,10 @@ def test_engine_modes_float64(engine_kw):
         assert out.stats["peak_graph_tokens"] <= engine_kw["block_size"]
 
 
-def test_temperature():
+@pytest.mark.parametrize("entropy", [True, False])
+def test_temperature(entropy):
     model = make_model("llama", torch.float64)
-    check(model, shared_batch(3), TOL[torch.float64], temperature=0.7)
+    check(model, shared_batch(3), TOL[torch.float64], temperature=0.7, entropy=entropy)
 
 
 def test_logprobs_matches_oracle_and_makes_no_grad():

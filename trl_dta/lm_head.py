@@ -104,11 +104,9 @@ class _LinearLogProbs(torch.autograd.Function):
     def backward(ctx, g_lp, g_ent):
         hidden, weight, bias, targets, logps, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        gh = torch.zeros_like(hidden) if need_h else None
-        gw = torch.zeros_like(weight) if need_w else None
-        gb = torch.zeros_like(bias) if need_b and bias is not None else None
         if g_lp is None and g_ent is None:
-            return gh, gw, gb, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
+        gh_tiles, gw, gb = [], None, None
         for start in range(0, hidden.shape[0], ctx.rows):
             sl = slice(start, start + ctx.rows)
             h, t = hidden[sl], targets[sl]
@@ -118,18 +116,20 @@ class _LinearLogProbs(torch.autograd.Function):
             p = logp.exp()
             if g_ent is not None:  # dH/dz = -p * (log p + H)
                 dz = logp.add_(entropy[sl, None]).mul_(p).mul_(-g_ent[sl, None])
-            else:
-                dz = torch.zeros_like(p)
-            if g_lp is not None:  # d log p_t / dz = onehot_t - p
-                dz.sub_(p * g_lp[sl, None])
+                if g_lp is not None:
+                    dz.sub_(p.mul_(g_lp[sl, None]))
+            else:  # d log p_t / dz = onehot_t - p
+                dz = p.mul_(-g_lp[sl, None])
+            if g_lp is not None:
                 dz.scatter_add_(-1, t[:, None], g_lp[sl, None].to(dz.dtype))
             dy = (dz * dz_dy if isinstance(dz_dy, torch.Tensor) else dz.mul_(dz_dy)).to(weight.dtype)
-            if gh is not None:
-                gh[sl] = dy @ weight
-            if gw is not None:
-                gw.add_(dy.t() @ h)
-            if gb is not None:
-                gb.add_(dy.sum(0))
+            if need_h:
+                gh_tiles.append(dy @ weight)
+            if need_w:
+                gw = dy.t() @ h if gw is None else gw.addmm_(dy.t(), h)
+            if need_b and bias is not None:
+                gb = dy.sum(0) if gb is None else gb.add_(dy.sum(0))
+        gh = (gh_tiles[0] if len(gh_tiles) == 1 else torch.cat(gh_tiles)) if need_h else None
         return gh, gw, gb, None, None, None, None, None
 
 
