@@ -203,12 +203,16 @@ def test_dense_fallback_below_min_compression(tmp_path, model_dir, tokenizer, da
     assert_equivalent(ref, dta, rtol=1e-6)
 
 
-def test_group_shuffle_keeps_groups_and_matches_the_step(tmp_path, model_dir, tokenizer, dataset):
+@pytest.mark.parametrize("batch_size,accumulation", [(4, 2), (2, 4)], ids=["whole_groups", "split_groups"])
+def test_group_shuffle_keeps_groups_and_matches_the_step(tmp_path, model_dir, tokenizer, dataset, batch_size,
+                                                         accumulation):
     # With the loss normalised by the generation batch's token count (dapo) and one optimizer step per generation,
     # the step's gradient does not depend on how rows are grouped into micro-batches; the group-aware split draws the
-    # same random permutation as TRL's shuffle, so generations stay identical too.
+    # same random permutation as TRL's shuffle, so generations stay identical too. Groups of 4: with micro-batches of
+    # 4 each holds one whole group, with micro-batches of 2 each group is split once (the sizes force it).
     # Float64: the micro-batches differ from TRL's, so float32 rounding would differ in summation order too.
-    config = dict(loss_type="dapo", steps=3, model_init_kwargs={"dtype": torch.float64})
+    config = dict(loss_type="dapo", steps=3, model_init_kwargs={"dtype": torch.float64},
+                  per_device_train_batch_size=batch_size, gradient_accumulation_steps=accumulation)
     ref = train(GRPOTrainer, GRPOConfig, model_dir, tokenizer, dataset, tmp_path / "trl", **config)
     dta = train(DTAGRPOTrainer, DTAGRPOConfig, model_dir, tokenizer, dataset, tmp_path / "dta", **config,
                 dta_min_compression=0.0)
@@ -326,3 +330,22 @@ def test_disabled_is_trl(tmp_path, model_dir, tokenizer, dataset):
     dta = train(DTAGRPOTrainer, DTAGRPOConfig, model_dir, tokenizer, dataset, tmp_path / "dta", dta_enabled=False)
     assert not any(k.startswith("dta/") for entry in dta.logs for k in entry)
     assert_equivalent(ref, dta, rtol=0.0, atol=0.0)
+
+
+def test_evaluation_scores_through_the_engine(tmp_path, model_dir, tokenizer, dataset):
+    # Evaluation computes TRL's loss without grad: the log-probs come from `DTAEngine.logprobs`.
+    results = []
+    for cls, config_cls, extra in ((GRPOTrainer, GRPOConfig, {}), (DTAGRPOTrainer, DTAGRPOConfig, DTA)):
+        args = make_args(config_cls, tmp_path / cls.__name__, per_device_eval_batch_size=8, **extra)
+        trainer = cls(model=model_dir, reward_funcs=lambda completion_ids, **kw: [float(len(c)) for c in completion_ids],
+                      args=args, train_dataset=dataset, eval_dataset=dataset, processing_class=tokenizer)
+        if cls is DTAGRPOTrainer:
+            calls = []
+            engine = trainer._dta_engine(trainer.accelerator.unwrap_model(trainer.model))
+            original = engine.logprobs
+            engine.logprobs = lambda *a, **k: calls.append(1) or original(*a, **k)
+        results.append(trainer.evaluate())
+    assert calls, "evaluation did not score through the engine"
+    ref, dta = results
+    for key in ("eval_loss", "eval_entropy", "eval_reward", "eval_clip_ratio/region_mean"):
+        assert dta[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), key
