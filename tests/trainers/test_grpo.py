@@ -8,6 +8,7 @@ the update, which float32 rounding through the advantage-weighted sums reaches a
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -288,14 +289,8 @@ def test_construction_errors(tmp_path, model_dir, tokenizer, dataset, case, mess
     elif case == "dynamic_rope":
         model = build_model(len(tokenizer), rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                                              "rope_theta": 10000.0})
-    with pytest.raises((ValueError, NotImplementedError), match=_escape(message)):
+    with pytest.raises((ValueError, NotImplementedError), match=re.escape(message)):
         _make(tmp_path, tokenizer, dataset, model, peft_config=peft_config, **config)
-
-
-def _escape(text: str) -> str:
-    import re
-
-    return re.escape(text)
 
 
 @pytest.mark.parametrize(
@@ -308,12 +303,11 @@ def _escape(text: str) -> str:
     ],
 )
 def test_config_validation(tmp_path, field, value, message):
-    with pytest.raises(ValueError, match=_escape(message)):
+    with pytest.raises(ValueError, match=re.escape(message)):
         DTAGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, **{field: value})
 
 
 def test_config_documents_every_field():
-    import re
     from dataclasses import fields
 
     from trl_dta.trainers._mixin import DTAArguments
@@ -337,7 +331,7 @@ def test_evaluation_scores_through_the_engine(tmp_path, model_dir, tokenizer, da
     results = []
     for cls, config_cls, extra in ((GRPOTrainer, GRPOConfig, {}), (DTAGRPOTrainer, DTAGRPOConfig, DTA)):
         args = make_args(config_cls, tmp_path / cls.__name__, per_device_eval_batch_size=8, **extra)
-        trainer = cls(model=model_dir, reward_funcs=lambda completion_ids, **kw: [float(len(c)) for c in completion_ids],
+        trainer = cls(model=model_dir, reward_funcs=lambda completion_ids, **kw: [len(c) / 4 for c in completion_ids],
                       args=args, train_dataset=dataset, eval_dataset=dataset, processing_class=tokenizer)
         if cls is DTAGRPOTrainer:
             calls = []

@@ -482,42 +482,39 @@ class DTATrainerMixin:
         out_device = inputs["completion_ids"].device
         scored = layout.lengths  # the engine projects only the completion positions through the LM head
 
-        with self._dta_backward_context(model), self.accelerator.autocast():
-            if objective is not None:
+        # Autocast covers the model computation only, as in TRL's `_get_per_token_logps_and_entropies`.
+        run = dict(temperature=self.temperature, n_scored=scored)
+        if objective is not None:
+            with self._dta_backward_context(model), self.accelerator.autocast():
+                out = engine.forward_backward(tree, objective, entropy=True, **run)
+            forward_tokens = out.stats["forward_tokens"]
+            logps = layout.gather(out.logps, out_device)
+            entropies = layout.gather(out.entropies, out_device)
+            with torch.no_grad(), self._dta_replay(logps, entropies):
+                loss = self._compute_loss(model, inputs)  # the logged value and TRL's metrics
+        else:
+            with self.accelerator.autocast():
+                first = engine.logprobs(tree, entropy=True, **run)
+            logps = layout.gather(first.logps, out_device).requires_grad_()
+            entropies = layout.gather(first.entropies, out_device).requires_grad_()
+            with self._dta_replay(logps, entropies):
+                loss = self._compute_loss(model, inputs)
+            grad_logps, grad_entropies = torch.autograd.grad(loss * scale, (logps, entropies), allow_unused=True)
+            if grad_logps is None:
+                grad_logps = torch.zeros_like(logps)
 
-                out = engine.forward_backward(
-                    tree, objective, temperature=self.temperature, entropy=True, n_scored=scored
-                )
-                forward_tokens = out.stats["forward_tokens"]
-                logps = layout.gather(out.logps, out_device)
-                entropies = layout.gather(out.entropies, out_device)
-                with torch.no_grad(), self._dta_replay(logps, entropies):
-                    loss = self._compute_loss(model, inputs)
-            else:
-                first = engine.logprobs(tree, temperature=self.temperature, entropy=True, n_scored=scored)
-                logps = layout.gather(first.logps, out_device).requires_grad_()
-                entropies = layout.gather(first.entropies, out_device).requires_grad_()
-                with self._dta_replay(logps, entropies):
-                    loss = self._compute_loss(model, inputs)
-                grad_logps, grad_entropies = torch.autograd.grad(
-                    loss * scale, (logps, entropies), allow_unused=True
-                )
-                if grad_logps is None:
-                    grad_logps = torch.zeros_like(logps)
+            def surrogate(i, seq_logps, seq_entropies):
+                """`<logps_i, dL/dlogps_i> + <entropies_i, dL/dentropies_i>`: TRL's gradient, one sequence."""
+                n = seq_logps.size(0)
+                term = (seq_logps * grad_logps[i, :n].to(seq_logps.device, seq_logps.dtype)).sum()
+                if grad_entropies is not None:
+                    h = grad_entropies[i, :n].to(seq_entropies.device, seq_entropies.dtype)
+                    term = term + (seq_entropies * h).sum()
+                return term
 
-                def surrogate(i, seq_logps, seq_entropies):
-                    n = seq_logps.size(0)
-                    term = (seq_logps * grad_logps[i, :n].to(seq_logps.device, seq_logps.dtype)).sum()
-                    if grad_entropies is not None:
-                        h = grad_entropies[i, :n].to(seq_entropies.device, seq_entropies.dtype)
-                        term = term + (seq_entropies * h).sum()
-                    return term
-
-                out = engine.forward_backward(
-                    tree, surrogate, temperature=self.temperature, entropy=grad_entropies is not None,
-                    n_scored=scored,
-                )
-                forward_tokens = first.stats["forward_tokens"] + out.stats["forward_tokens"]
+            with self._dta_backward_context(model), self.accelerator.autocast():
+                out = engine.forward_backward(tree, surrogate, entropy=grad_entropies is not None, **run)
+            forward_tokens = first.stats["forward_tokens"] + out.stats["forward_tokens"]
 
         self._dta_step_time += time.perf_counter() - start
         metrics = self._metrics["train"]
