@@ -7,7 +7,6 @@ the update, which float32 rounding through the advantage-weighted sums reaches a
 
 from __future__ import annotations
 
-import logging
 import re
 
 import pytest
@@ -16,7 +15,7 @@ from peft import LoraConfig, PromptTuningConfig
 from transformers import MixtralConfig, MixtralForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
-from trl_dta.trainers import DTAGRPOConfig, DTAGRPOTrainer
+from trl_dta.trainers import DTAGRPOConfig, DTAGRPOTrainer, _mixin
 
 from .conftest import DTA, EOS, assert_equivalent, assert_params_close, build_model, make_args, train
 
@@ -183,12 +182,18 @@ def test_custom_compute_loss_subclass(tmp_path, model_dir, tokenizer, dataset):
     compare(tmp_path, model_dir, tokenizer, dataset, ref_cls=ref_cls, dta_cls=dta_cls, num_iterations=2)
 
 
-def test_gradient_checkpointing_maps_to_graph_budget(tmp_path, model_dir, tokenizer, dataset, caplog):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_gradient_checkpointing_maps_to_graph_budget(tmp_path, model_dir, tokenizer, dataset, lora):
     # TRL's default gradient_checkpointing=True: DTA micro-batches run the engine's block recompute instead (blocks of
-    # 4 tokens here, so the recompute path runs), with the same results.
-    with caplog.at_level(logging.WARNING):
-        _, dta = compare(tmp_path, model_dir, tokenizer, dataset, gradient_checkpointing=True, num_iterations=2,
-                         dta_config={**DTA, "dta_block_size": 4})
+    # 4 tokens here, so the recompute path runs), with the same results. With PEFT, TRL also makes the embeddings'
+    # output require grad (for HF checkpointing); DTA runs under that hook too.
+    extra = {}
+    if lora:
+        extra = dict(learning_rate=0.5, trainer_kwargs={"peft_config": LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")})
+    _, dta = compare(tmp_path, model_dir, tokenizer, dataset, gradient_checkpointing=True, num_iterations=2,
+                     dta_config={**DTA, "dta_block_size": 4}, **extra)
+    assert "gradient_checkpointing" in _mixin._warned  # the user is told once
     engine = next(iter(dta.trainer._dta_engines.values()))
     assert engine.max_graph_tokens == 4
     assert engine.last_stats["recomputed_tokens"] > 0
@@ -343,3 +348,16 @@ def test_evaluation_scores_through_the_engine(tmp_path, model_dir, tokenizer, da
     ref, dta = results
     for key in ("eval_loss", "eval_entropy", "eval_reward", "eval_clip_ratio/region_mean"):
         assert dta[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), key
+
+
+def test_plain_trl_config_and_argument_parser(tmp_path, model_dir, tokenizer, dataset):
+    from transformers import HfArgumentParser
+
+    # A plain GRPOConfig gets the DTA defaults.
+    run = train(DTAGRPOTrainer, GRPOConfig, model_dir, tokenizer, dataset, tmp_path, steps=1)
+    assert run.trainer._dta.dta_enabled and run.trainer._dta.dta_group_shuffle
+    assert "dta/dense_fallback" in run.logs[0]
+    (args,) = HfArgumentParser(DTAGRPOConfig).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--use_cpu", "true", "--dta_max_graph_tokens", "64", "--dta_enabled", "false"]
+    )
+    assert args.dta_max_graph_tokens == 64 and args.dta_enabled is False

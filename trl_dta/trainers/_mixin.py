@@ -252,6 +252,16 @@ class DTATrainerMixin:
     """Dynamic Tree Attention for a TRL trainer; put it before the TRL class in the bases (see the module docstring).
 
     Subclasses set `_dta_trl_class` (the TRL trainer) and `_dta_loss_class` (its per-sequence objective, `losses.py`).
+
+    Metrics logged next to TRL's (averaged over the micro-batches of a logging step):
+
+    - `dta/compression_ratio`, `dta/tokens`, `dta/tree_tokens`: the micro-batch's prefix tree (tokens / tree tokens).
+    - `dta/forward_tokens`: tokens the engine actually forwarded (block recompute and the no-grad first pass of the
+      two-pass path included).
+    - `dta/step_time`: seconds of engine forward/backward per optimizer step.
+    - `dta/peak_memory_mb`: peak allocated memory of the micro-batch on CUDA; elsewhere the process's peak resident set.
+    - `dta/dense_fallback`: fraction of micro-batches that ran TRL's dense path (`dta_min_compression`, or an input
+      layout DTA does not handle).
     """
 
     _dta_trl_class: type
