@@ -47,10 +47,12 @@ def check(model, seqs, tol, *, loss_fn=nonlinear_loss, temperature=1.0, n_scored
     return out
 
 
+@pytest.mark.parametrize("max_pack_tokens", [0, 1024], ids=["walk", "packed"])
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f not in FLOAT32_ONLY])
-def test_float64_equals_oracle(family):
+def test_float64_equals_oracle(family, max_pack_tokens):
+    """`walk`: every internal segment pushed and popped; `packed`: small subtrees run as tree-masked rows."""
     model = make_model(family, torch.float64)
-    out = check(model, shared_batch(), TOL[torch.float64])
+    out = check(model, shared_batch(), TOL[torch.float64], max_pack_tokens=max_pack_tokens)
     assert all(p.grad is not None and p.grad.abs().max() > 0 for p in model.parameters())
     assert out.stats["compression_ratio"] > 1.5
     assert out.stats["forward_tokens"] == out.stats["tree_tokens"]  # keep mode: every tree token forwarded once
@@ -158,14 +160,14 @@ def batches(draw):
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seqs=batches(), block_size=st.integers(1, 6), budget=st.sampled_from([None, 0, 5, 20]),
-       batch_tokens=st.sampled_from([1, 7, 64]), data=st.data())
-def test_hypothesis_batches_float64(seqs, block_size, budget, batch_tokens, data):
+       batch_tokens=st.sampled_from([1, 7, 64]), pack=st.sampled_from([0, 12, 1024]), data=st.data())
+def test_hypothesis_batches_float64(seqs, block_size, budget, batch_tokens, pack, data):
     model = _HYPO_MODEL()
     n_scored = None
     if data.draw(st.booleans(), label="score only completions"):
         n_scored = [data.draw(st.integers(0, len(s) + 1), label=f"n_scored[{i}]") for i, s in enumerate(seqs)]
     check(model, [torch.tensor(s, dtype=torch.long) for s in seqs], TOL[torch.float64], block_size=block_size,
-          max_graph_tokens=budget, max_batch_tokens=batch_tokens, n_scored=n_scored)
+          max_graph_tokens=budget, max_batch_tokens=batch_tokens, max_pack_tokens=pack, n_scored=n_scored)
 
 
 def test_n_scored_projects_only_needed_positions():
@@ -201,7 +203,7 @@ def _grpo_like(n_leaves, prompt=24, completion=6, seed=0):
 
 def test_peak_graph_flat_in_number_of_leaves():
     model = make_model("qwen2", torch.float32)
-    engine = DTAEngine(model, max_batch_tokens=12)  # two leaves per forward
+    engine = DTAEngine(model, max_batch_tokens=12)  # two leaves per forward (and no subtree packed)
     peaks = []
     for n in (2, 8, 32):
         out = engine.forward_backward(_grpo_like(n), lambda i, lp, ent: lp.sum())
@@ -271,7 +273,8 @@ def test_errors_on_bad_input():
         engine.forward_backward([[3, 4, 5]], lambda i, lp, ent: lp)
     with pytest.raises(TypeError, match="callable"):
         engine.forward_backward([[3, 4, 5]], None)
-    for kw in (dict(block_size=0), dict(max_batch_tokens=-1), dict(max_graph_tokens=-2), dict(lm_head_chunk_size=0)):
+    for kw in (dict(block_size=0), dict(max_batch_tokens=-1), dict(max_graph_tokens=-2), dict(lm_head_chunk_size=0),
+               dict(max_pack_tokens=-1)):
         with pytest.raises(ValueError, match=next(iter(kw))):
             DTAEngine(model, **kw)
 

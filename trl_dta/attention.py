@@ -47,11 +47,17 @@ class AttentionContext:
         record (`dict[int, tuple[Tensor, Tensor]]`): filled by the attention layers with the new tokens' keys and values,
             `(batch, n_kv_heads, length, head_dim)`, keyed by layer index.
         calls (`int`): number of attention calls made in this forward (checked against the layer count).
+        row_mask (`torch.BoolTensor` of shape `(batch, length, length)`, *optional*): for packed subtrees, which new
+            tokens each new token sees (the path's keys are visible to every token). None: causal.
+        positions (`torch.LongTensor` of shape `(batch, length)`, *optional*): the new tokens' positions, with
+            `row_mask` (for sliding windows).
     """
 
     stack: KVStack
     record: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     calls: int = 0
+    row_mask: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
 
 
 def _mask(q_len: int, prefix_len: int, sliding_window: int | None, device) -> torch.Tensor:
@@ -62,6 +68,18 @@ def _mask(q_len: int, prefix_len: int, sliding_window: int | None, device) -> to
     if sliding_window is not None:
         mask &= k_pos > q_pos - sliding_window
     return mask
+
+
+def _packed_mask(row_mask: torch.Tensor, positions: torch.Tensor, prefix_len: int,
+                 sliding_window: int | None) -> torch.Tensor:
+    """`(batch, 1, length, prefix_len + length)` mask for packed rows: every path key, then the row's own mask."""
+    batch, length, _ = row_mask.shape
+    prefix = torch.ones(batch, length, prefix_len, dtype=torch.bool, device=row_mask.device)
+    mask = torch.cat([prefix, row_mask], dim=-1)
+    if sliding_window is not None:
+        k_pos = torch.cat([torch.arange(prefix_len, device=positions.device).expand(batch, -1), positions], dim=-1)
+        mask = mask & (k_pos[:, None, :] > positions[:, :, None] - sliding_window)  # keeps the diagonal
+    return mask[:, None]
 
 
 def _sdpa(query, key, value, mask, scaling, is_causal):
@@ -136,8 +154,12 @@ def dta_attention(
         value = torch.cat([prefix_v, value], dim=2)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    windowed = sliding_window is not None and prefix_len + q_len > sliding_window
-    mask = _mask(q_len, prefix_len, sliding_window if windowed else None, query.device)
+    if dta_ctx.row_mask is not None:
+        mask = _packed_mask(dta_ctx.row_mask, dta_ctx.positions, prefix_len, sliding_window)
+        windowed = True  # never the plain causal shortcut
+    else:
+        windowed = sliding_window is not None and prefix_len + q_len > sliding_window
+        mask = _mask(q_len, prefix_len, sliding_window if windowed else None, query.device)
     if softcap is not None:
         out = _softcapped(query, key, value, mask, scaling, softcap)
     else:

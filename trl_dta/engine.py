@@ -106,6 +106,12 @@ class DTAEngine:
             plus the running forward). A segment that would exceed it is recomputed in blocks. None keeps every graph
             (fastest: no token is forwarded twice). With `0`, the live graph never exceeds `block_size` tokens (or one
             sibling leaf).
+        max_pack_tokens (`int`, *optional*, defaults to `1024`): a subtree of at most this many tokens (and at most
+            `max_batch_tokens`) is not walked
+            segment by segment but packed into one row of a batched forward (its tokens at their depths, a tree mask
+            inside the row): one forward and one backward instead of one per segment, at the price of attention over
+            the whole row (`O(n^2)` for `n` packed tokens). Leaves are always batched. `0` walks every internal
+            segment.
         lm_head_chunk_size (`int`, *optional*, defaults to `4096`): rows projected through the LM head at once.
 
     Stats of the last call (`engine.last_stats`, also `DTAOutput.stats`): `sequences`, `tokens`, `tree_tokens`,
@@ -120,6 +126,7 @@ class DTAEngine:
         block_size: int = 1024,
         max_batch_tokens: int = 8192,
         max_graph_tokens: int | None = None,
+        max_pack_tokens: int = 1024,
         lm_head_chunk_size: int = 4096,
     ):
         for name, value in (("block_size", block_size), ("max_batch_tokens", max_batch_tokens),
@@ -128,6 +135,9 @@ class DTAEngine:
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
         if max_graph_tokens is not None and (not isinstance(max_graph_tokens, int) or max_graph_tokens < 0):
             raise ValueError(f"`max_graph_tokens` must be None or a non-negative integer, got {max_graph_tokens!r}")
+        if not isinstance(max_pack_tokens, int) or max_pack_tokens < 0:
+            raise ValueError(f"`max_pack_tokens` must be a non-negative integer, got {max_pack_tokens!r}")
+        self.max_pack_tokens = max_pack_tokens
         self.model = model
         self.block_size = block_size
         self.max_batch_tokens = max_batch_tokens
@@ -339,6 +349,10 @@ class _Walk:
             if scored:
                 self.fork_targets[s.index] = torch.stack([self.tokens[c][0] for c in scored])
         self.subtree = tree.subtree_tokens()
+        self.n_segs = [1] * len(segs)  # segments in each subtree (a contiguous pre-order range)
+        for seg in reversed(segs):
+            if seg.parent >= 0:
+                self.n_segs[seg.parent] += self.n_segs[seg.index]
         self.logps: list[torch.Tensor | None] = [None] * tree.n_sequences
         self.ents: list[torch.Tensor | None] = [None] * tree.n_sequences
         self.total = None
@@ -380,19 +394,26 @@ class _Walk:
         return torch.zeros(0, device=self.device, dtype=dtype)
 
     def _children(self, s: int) -> list[tuple[str, int]]:
-        """Run the leaf children of `s` in sibling batches; return the events for its internal children (LIFO)."""
+        """Run the small children of `s` (leaves, and internal subtrees of at most `max_pack_tokens` tokens) as rows
+        of batched forwards; return the walk events for the large ones (LIFO order)."""
         segs = self.tree.segments
         kids = self.tree.roots if s < 0 else segs[s].children
-        leaves = sorted((c for c in kids if not segs[c].children), key=lambda c: segs[c].length)
-        for batch in self._batches(leaves):
-            if len(batch) == 1 and not self._fits(segs[batch[0]].length):
-                self._enter(batch[0])  # too large to keep its graph: recompute mode, as an internal segment
-                self._exit(batch[0])
+        pack = min(self.e.max_pack_tokens, self.e.max_batch_tokens)
+        small = sorted((c for c in kids if not segs[c].children or self.subtree[c] <= pack),
+                       key=lambda c: self.subtree[c])
+        large = [c for c in kids if segs[c].children and self.subtree[c] > pack]
+        for batch in self._batches(small):
+            c = batch[0]
+            if len(batch) == 1 and not self._fits(self.subtree[c]):
+                if segs[c].children:
+                    large.append(c)  # walk it segment by segment instead of packing it
+                else:
+                    self._enter(c)  # a leaf too large to keep its graph: recompute mode
+                    self._exit(c)
             else:
-                self._run_leaves(batch)
-        internal = sorted((c for c in kids if segs[c].children), key=lambda c: self.subtree[c])
+                self._run_rows(batch)
         events = []
-        for c in reversed(internal):
+        for c in sorted(large, key=lambda c: self.subtree[c], reverse=True):
             events += [("exit", c), ("children", c), ("enter", c)]
         return events
 
@@ -400,11 +421,12 @@ class _Walk:
         budget = self.e.max_graph_tokens
         return not self.train or budget is None or self.live + n_tokens <= budget
 
-    def _batches(self, leaves: list[int]) -> list[list[int]]:
-        segs, out, cur = self.tree.segments, [], []
-        for c in leaves:  # sorted by length: the padded size of a batch is its last leaf times its size
-            length = segs[c].length
-            if cur and ((len(cur) + 1) * length > self.e.max_batch_tokens or not self._fits((len(cur) + 1) * length)):
+    def _batches(self, rows: list[int]) -> list[list[int]]:
+        """Group rows (sorted by size) so that each batch's padded size fits `max_batch_tokens` and the graph budget."""
+        out, cur = [], []
+        for c in rows:  # sorted: the padded size of a batch is its last row's size times its number of rows
+            size = self.subtree[c]
+            if cur and ((len(cur) + 1) * size > self.e.max_batch_tokens or not self._fits((len(cur) + 1) * size)):
                 out.append(cur)
                 cur = []
             cur.append(c)
@@ -414,13 +436,19 @@ class _Walk:
 
     # ------------------------------------------------------------------ model calls
 
-    def _forward(self, ids: torch.Tensor, n_real: int):
+    def _forward(self, ids: torch.Tensor, n_real: int, positions: torch.Tensor | None = None,
+                 row_mask: torch.Tensor | None = None):
         """Forward `ids` `(batch, length)` after the current path. Returns hidden `(batch, length, hidden)` and the
-        new keys/values per layer, each `(batch, n_kv_heads, length, head_dim)`."""
+        new keys/values per layer, each `(batch, n_kv_heads, length, head_dim)`.
+
+        Without `row_mask` the rows continue the path causally (positions `path_len + arange(length)`). With it (packed
+        subtrees) `positions` `(batch, length)` are the tokens' depths and `row_mask` `(batch, length, length)` says
+        which tokens of its row each token sees (the path's keys are visible to all)."""
         batch, length = ids.shape
-        ctx = AttentionContext(self.stack)
+        ctx = AttentionContext(self.stack, row_mask=row_mask, positions=positions)
         start = self.stack.length
-        positions = torch.arange(start, start + length, device=self.device).expand(batch, length)
+        if positions is None:
+            positions = torch.arange(start, start + length, device=self.device).expand(batch, length)
         out = self.backbone(input_ids=ids, position_ids=positions, use_cache=False, dta_ctx=ctx)
         if ctx.calls != self.e.n_layers or len(ctx.record) != self.e.n_layers:
             raise NotImplementedError(
@@ -539,28 +567,75 @@ class _Walk:
             torch.autograd.backward(tensors, grads)
             self.stats["backwards"] += 1
 
-    def _run_leaves(self, batch: list[int]) -> None:
-        """Forward sibling leaves (no children) in one right-padded batch, visit their sequences, backward once."""
-        segs = self.tree.segments
-        lengths = [segs[c].length for c in batch]
-        width = max(lengths)
-        ids = torch.zeros(len(batch), width, dtype=torch.long, device=self.device)
-        for row, c in enumerate(batch):
-            ids[row, : lengths[row]] = self.tokens[c]
-        hidden, _ = self._forward(ids, sum(lengths))
-        counts = [self.n_internal[c] for c in batch]
-        rows = torch.cat([torch.full((n,), r, device=self.device) for r, n in enumerate(counts)])
-        cols = torch.cat([torch.arange(self.p0[c], self.p0[c] + n, device=self.device) for c, n in zip(batch, counts)])
-        targets = torch.cat([self.tokens[c][self.p0[c] + 1 :] for c in batch])
+    def _run_rows(self, roots: list[int]) -> None:
+        """Forward small subtrees as the rows of one batch, visit their sequences, back-propagate once.
+
+        Each row holds one subtree in pre-order (a leaf segment is a subtree of one segment), right-padded; its tokens
+        sit at their depths and see the path's keys plus their ancestors-or-self in the row (a causal mask for a
+        single segment). Every token of the rows is forwarded and back-propagated exactly once."""
+        segs, dev = self.tree.segments, self.device
+        rows = [list(range(r, r + self.n_segs[r])) for r in roots]
+        width = max(self.subtree[r] for r in roots)
+        ids = torch.zeros(len(roots), width, dtype=torch.long, device=dev)
+        offset = {}  # segment -> (row, column of its first token)
+        for b, row in enumerate(rows):
+            col = 0
+            for g in row:
+                offset[g] = (b, col)
+                ids[b, col : col + segs[g].length] = self.tokens[g]
+                col += segs[g].length
+        positions = row_mask = None
+        if any(len(row) > 1 for row in rows):
+            positions, row_mask = self._row_layout(rows, width)
+        hidden, _ = self._forward(ids, sum(self.subtree[r] for r in roots), positions, row_mask)
+        # Score every segment's outputs in the standard layout: internal targets, then forks to scored children.
+        r_idx, c_idx, tgt, sizes = [], [], [], []
+        for g in offset:
+            b, col = offset[g]
+            pos, t = self._block_targets(g, 0, segs[g].length)
+            r_idx.append(torch.full((len(t),), b, device=dev))
+            c_idx.append(pos + col)
+            tgt.append(t)
+            sizes.append(len(t))
+        targets = torch.cat(tgt)
         self.stats["scored_positions"] += len(targets)
-        lp, ent = head_logprobs(self.head, hidden[rows, cols], targets, temperature=self.temperature,
-                                entropy=self.want_ent, chunk_size=self.e.lm_head_chunk_size)
-        lps = lp.split(counts)
-        ents = ent.split(counts) if ent is not None else [None] * len(batch)
-        for c, lp_c, ent_c in zip(batch, lps, ents):
-            for i in segs[c].ends:
-                self._visit(i, c, lp_c, ent_c, ancestors=self.path)
+        lp, ent = head_logprobs(self.head, hidden[torch.cat(r_idx), torch.cat(c_idx)], targets,
+                                temperature=self.temperature, entropy=self.want_ent,
+                                chunk_size=self.e.lm_head_chunk_size)
+        lps = lp.split(sizes)
+        ents = ent.split(sizes) if ent is not None else [None] * len(sizes)
+        state = {g: _SegState(g, a, e, 0) for g, a, e in zip(offset, lps, ents)}
+        for row in rows:
+            for g in row:
+                chain = []  # segments of this row from its root down to g's parent
+                p = segs[g].parent
+                while p in state and p >= row[0]:
+                    chain.append(state[p])
+                    p = segs[p].parent
+                for i in segs[g].ends:
+                    self._visit(i, g, state[g].out_lp, state[g].out_ent, ancestors=self.path + chain[::-1])
         self._backward_total()
+
+    def _row_layout(self, rows: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Depths `(batch, width)` and visibility `(batch, width, width)` of packed subtree rows: token j is visible
+        to token i when j's segment is an ancestor-or-self of i's (pre-order intervals) and j is not deeper."""
+        segs, dev = self.tree.segments, self.device
+        batch = len(rows)
+        positions = torch.zeros(batch, width, dtype=torch.long, device=dev)
+        seg_of = torch.full((batch, width), -1, dtype=torch.long, device=dev)
+        for b, row in enumerate(rows):
+            col = 0
+            for g in row:
+                n = segs[g].length
+                positions[b, col : col + n] = torch.arange(segs[g].start, segs[g].end, device=dev)
+                seg_of[b, col : col + n] = g
+                col += n
+        n_segs = torch.tensor(self.n_segs, device=dev)
+        si, sj = seg_of[:, :, None], seg_of[:, None, :]
+        ancestor = (sj <= si) & (si < sj + n_segs[sj.clamp(min=0)]) & (sj >= 0)
+        mask = ancestor & (positions[:, None, :] <= positions[:, :, None])
+        mask |= torch.eye(width, dtype=torch.bool, device=dev)  # padding sees itself (never an empty softmax row)
+        return positions, mask
 
     def _visit(self, i: int, last_seg: int, last_lp, last_ent, ancestors: Sequence[_SegState] = ()) -> None:
         """Assemble sequence `i`'s scored log-probs (and entropies) from the outputs of the segments on its path
