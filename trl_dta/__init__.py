@@ -11,7 +11,20 @@ from .tree import PrefixTree, Segment
 
 __version__ = "0.1.0"
 
+# The trainers import TRL (slow); they load on first access.
+_TRAINERS = ("DTAGRPOConfig", "DTAGRPOTrainer", "DTARLOOConfig", "DTARLOOTrainer")
+
+
+def __getattr__(name):
+    if name in _TRAINERS:
+        from . import trainers
+
+        return getattr(trainers, name)
+    raise AttributeError(f"module 'trl_dta' has no attribute {name!r}")
+
+
 __all__ = [
+    *_TRAINERS,
     "CostModel",
     "DTAEngine",
     "DTAOutput",

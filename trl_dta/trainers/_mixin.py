@@ -38,9 +38,16 @@ from dataclasses import dataclass, field, fields
 
 import torch
 from accelerate.utils import is_peft_model
-from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
+from accelerate.utils import gather_object
+from trl.trainer.utils import (
+    shuffle_sequence_dict,
+    split_pixel_values_by_grid,
+    split_tensor_dict,
+    unsplit_pixel_values_by_grid,
+)
 
-from ..balance import CostModel, partition
+from ..balance import CostModel, forest_stats, partition
+from ..distributed import all_reduce_gradients, redistribute, trainable_parameters
 from ..engine import DTAEngine
 from ..lm_head import HeadSpec
 from ..tree import PrefixTree
@@ -119,6 +126,23 @@ class DTAArguments:
         },
     )
 
+    dta_balance: bool = field(
+        default=True,
+        metadata={
+            "help": "With several processes: after each generation, exchange whole prompt groups between ranks so that "
+            "every rank trains on a forest of equal tree cost (each rank keeps its number of rows). Needs each "
+            "process's generation batch to hold whole groups (a multiple of `num_generations` rows)."
+        },
+    )
+    dta_cost_model: str = field(
+        default="default",
+        metadata={
+            "help": "Cost of a rank's forest for `dta_balance`: 'default' (tree tokens + attention work + a per-leaf "
+            "overhead, from the model width) or 'fit' (coefficients fitted by least squares to the engine's measured "
+            "micro-batch times, gathered from all ranks, once 8 samples exist)."
+        },
+    )
+
     def validate_dta(self) -> None:
         """Check the `dta_*` values; errors name the field and the fix."""
         for name in ("dta_block_size", "dta_max_batch_tokens"):
@@ -128,6 +152,8 @@ class DTAArguments:
         value = self.dta_max_graph_tokens
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"`dta_max_graph_tokens` must be None or a non-negative integer, got {value!r}.")
+        if self.dta_cost_model not in ("default", "fit"):
+            raise ValueError(f"`dta_cost_model` must be 'default' or 'fit', got {self.dta_cost_model!r}.")
         value = self.dta_min_compression
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ValueError(
@@ -155,11 +181,6 @@ def check_trainer_args(args) -> None:
         raise ValueError(
             "DeepSpeed and FSDP are not supported with DTA: the engine runs on the unwrapped model and needs every "
             f"parameter materialised. Use plain data parallelism, {off}"
-        )
-    if args.world_size > 1:
-        raise ValueError(
-            f"DTA runs on a single process for now (got world_size={args.world_size}): its many backward calls per "
-            f"micro-batch are not yet synchronised under DDP. Launch one process, {off}"
         )
     if args.use_liger_kernel:
         raise ValueError(
@@ -275,6 +296,7 @@ class DTATrainerMixin:
         self._dta = DTAArguments.from_config(args)
         self._dta_engines: dict[int, DTAEngine] = {}
         self._dta_step_time = 0.0
+        self._dta_cost_samples: list[tuple[float, float, float, float]] = []
         if not self._dta.dta_enabled:
             return
         check_trainer_args(args)
@@ -340,18 +362,64 @@ class DTATrainerMixin:
     # ------------------------------------------------------------------ micro-batching
 
     def _prepare_inputs(self, generation_batch):
-        if not (self._dta.dta_enabled and self._dta.dta_group_shuffle and self.model.training):
+        balance = self._dta.dta_enabled and self._dta.dta_balance and self.accelerator.num_processes > 1
+        if not (self._dta.dta_enabled and (self._dta.dta_group_shuffle or balance) and self.model.training):
             return super()._prepare_inputs(generation_batch)
-        # TRL's `_prepare_inputs` (train mode), with `shuffle_sequence_dict` + `split_tensor_dict` replaced.
+        # TRL's `_prepare_inputs` (train mode), with the rows exchanged between ranks (`dta_balance`) and
+        # `shuffle_sequence_dict` + `split_tensor_dict` replaced (`dta_group_shuffle`).
         generate_every = self.args.steps_per_generation * self.num_iterations
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             generation_batch = self._generate_and_score_completions(generation_batch)
             generation_batch = split_pixel_values_by_grid(generation_batch)
-            batches = self._dta_split_generation_batch(generation_batch)
+            groups = None
+            if balance:
+                generation_batch, groups = self._dta_balance(generation_batch)
+            if self._dta.dta_group_shuffle:
+                batches = self._dta_split_generation_batch(generation_batch, groups)
+            else:
+                batches = split_tensor_dict(shuffle_sequence_dict(generation_batch), self.args.steps_per_generation)
             self._buffered_inputs = [unsplit_pixel_values_by_grid(batch) for batch in batches]
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
-    def _dta_split_generation_batch(self, batch: dict) -> list[dict]:
+    def _dta_balance(self, batch: dict) -> tuple[dict, torch.Tensor | None]:
+        """Exchange whole prompt groups between ranks so that each trains on a forest of equal cost.
+
+        Returns this rank's new generation batch and the global group id of each of its rows (None when the batch
+        is left as it is: vision inputs, or a per-process batch that does not hold whole groups)."""
+        n, size = len(batch["prompt_ids"]), self.num_generations
+        groups = (self.accelerator.process_index * n + torch.arange(n)) // size
+        if any(batch.get(key) is not None for key in _VISION_KEYS):
+            return batch, groups
+        if n % size:
+            _warn_once(
+                "balance_groups",
+                f"dta_balance: each process holds {n} rows of a generation batch, not a multiple of num_generations="
+                f"{size}, so prompt groups straddle processes and cannot be exchanged whole; ranks keep TRL's rows. "
+                "Make `per_device_train_batch_size * steps_per_generation` a multiple of `num_generations`.",
+            )
+            return batch, groups
+        if self._dta.dta_cost_model == "fit":
+            self._dta_refit_cost_model()
+        before = [forest_stats(_Layout.from_inputs(batch).seqs)]
+        before = gather_object(before)
+        local, local_groups, result = redistribute(
+            self.accelerator, batch, groups, pad_token_id=self._tokenizer.pad_token_id or 0, cost_model=self._dta_cost_model
+        )
+        metrics = self._metrics["train"]
+        metrics["dta/compression_ratio_before_balance"].append(
+            sum(s.tokens for s in before) / max(sum(s.tree_tokens for s in before), 1)
+        )
+        metrics["dta/compression_ratio_after_balance"].append(result.compression_after)
+        metrics["dta/rank_cost_imbalance"].append(result.imbalance)
+        return local, local_groups
+
+    def _dta_refit_cost_model(self) -> None:
+        """Refit the balancer's cost model to the engine times of all ranks (identically on every rank)."""
+        samples = [row for rows in gather_object([self._dta_cost_samples]) for row in rows]
+        if len(samples) >= 8:
+            self._dta_cost_model = CostModel.fit(samples, hidden_size=self._dta_cost_model.hidden_size)
+
+    def _dta_split_generation_batch(self, batch: dict, groups: torch.Tensor | None = None) -> list[dict]:
         """Cut a generation batch into `steps_per_generation` micro-batches of TRL's size, groups kept together.
 
         The rows are first permuted with `torch.randperm(n)`, the draw TRL's `shuffle_sequence_dict` makes (so the
@@ -366,8 +434,9 @@ class DTATrainerMixin:
         layout = None if any(batch.get(key) is not None for key in _VISION_KEYS) else _Layout.from_inputs(batch)
         if layout is None:
             return split_tensor_dict(_take(batch, permutation), k)
-        offset = self.accelerator.process_index * n
-        labels = ((offset + torch.arange(n)) // self.num_generations)[permutation].tolist()
+        if groups is None:
+            groups = (self.accelerator.process_index * n + torch.arange(n)) // self.num_generations
+        labels = groups[permutation].tolist()
         sizes = {labels.count(g) for g in set(labels)}
         keep = len(sizes) == 1 and (n // k) % sizes.pop() == 0
         parts = partition(
@@ -467,9 +536,21 @@ class DTATrainerMixin:
         return scale / self.accelerator.gradient_accumulation_steps
 
     def _dta_backward_context(self, model):
-        """Context of the engine's backward calls. Under DDP (not supported yet) this is where they will run under
-        `no_sync`, followed by one explicit gradient reduction."""
+        """Context of the engine's backward calls (they run on the unwrapped model; see `training_step`)."""
         return contextlib.nullcontext()
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Under DDP, every micro-step runs without DDP's synchronisation (the engine back-propagates many times, on
+        the unwrapped model, which DDP's reducer never sees), and the gradients are averaged once, explicitly, at the
+        end of the accumulation window (dense-fallback micro-steps included, so all ranks reduce the same way)."""
+        if not (self._dta.dta_enabled and self.accelerator.num_processes > 1):
+            return super().training_step(model, inputs, num_items_in_batch)
+        with self.accelerator.no_sync(model):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.accelerator.sync_gradients:
+            params = trainable_parameters(self.accelerator.unwrap_model(model))
+            all_reduce_gradients(params, self.accelerator.num_processes)
+        return loss
 
     def _dta_compute_loss(self, model, inputs: dict, num_items_in_batch) -> torch.Tensor | None:
         """Forward and backward of one micro-batch through the engine; None when it must take TRL's dense path."""
@@ -526,7 +607,11 @@ class DTATrainerMixin:
                 out = engine.forward_backward(tree, surrogate, entropy=grad_entropies is not None, **run)
             forward_tokens = first.stats["forward_tokens"] + out.stats["forward_tokens"]
 
-        self._dta_step_time += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self._dta_step_time += seconds
+        if self._dta.dta_cost_model == "fit":
+            s = forest_stats(tree)
+            self._dta_cost_samples.append((s.tree_tokens, s.attention_work, s.leaves, seconds))
         metrics = self._metrics["train"]
         metrics["dta/compression_ratio"].append(tree.compression_ratio)
         metrics["dta/tokens"].append(float(tree.n_tokens))
@@ -542,7 +627,7 @@ def dta_parameters_doc() -> str:
 
     lines = ["    Parameters:", "        > Parameters that control Dynamic Tree Attention", ""]
     for f in fields(DTAArguments):
-        kind = {"bool": "bool", "int": "int", "float": "float", "int | None": "int` or `None"}[str(f.type)]
+        kind = {"bool": "bool", "int": "int", "float": "float", "str": "str", "int | None": "int` or `None"}[str(f.type)]
         lines.append(f"        {f.name} (`{kind}`, *optional*, defaults to `{f.default}`):")
         lines += textwrap.wrap(f.metadata["help"], width=116, initial_indent=" " * 12, subsequent_indent=" " * 12)
     return "\n".join(lines) + "\n"

@@ -1,0 +1,160 @@
+"""One training run for the distributed tests, launched with `accelerate launch` (or plain `python` for one process).
+
+Every rank generates and scores with TRL's own `_generate_and_score_completions` (its collectives run as usual), then
+its rows are replaced by a slice of one fixed global batch (seeded prompts, completions of varied lengths, advantages,
+`num_items_in_batch` recomputed), so that runs with different process counts train on the same global batch: sampling
+itself differs between process counts (each rank draws from its own generator). The final trainable parameters are
+saved by rank 0.
+
+    accelerate launch --multi_gpu --num_processes 2 tests/trainers/dist_run.py --out a.pt --trainer grpo --dta 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from accelerate import PartialState
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import PAD, build_model, build_tokenizer  # noqa: E402
+
+GROUPS, G, PROMPT, COMPLETION = 4, 4, (10, 24), (1, 7)
+
+
+def fixed_batch(vocab: int, device) -> dict:
+    """The global generation batch: `GROUPS` prompts (left-padded) x `G` completions (right-padded)."""
+    g = torch.Generator().manual_seed(1234)
+    rows = GROUPS * G
+    p_len = torch.randint(*PROMPT, (GROUPS,), generator=g).repeat_interleave(G)
+    c_len = torch.randint(*COMPLETION, (rows,), generator=g)
+    pw, cw = PROMPT[1], COMPLETION[1]
+    prompt_ids = torch.full((rows, pw), PAD)
+    prompt_mask = torch.zeros(rows, pw, dtype=torch.long)
+    completion_ids = torch.full((rows, cw), PAD)
+    completion_mask = torch.zeros(rows, cw, dtype=torch.long)
+    prompts = [torch.randint(3, vocab, (PROMPT[1],), generator=g) for _ in range(GROUPS)]
+    # Groups 0 and 2 (on ranks 0 and 1 in TRL's layout) share their first tokens: the balancer should put them
+    # together, which moves rows between ranks.
+    prompts[2][: PROMPT[0] - 1] = prompts[0][: PROMPT[0] - 1]
+    p_len[2 * G : 3 * G] = p_len[0]
+    for r in range(rows):
+        p, c = int(p_len[r]), int(c_len[r])
+        prompt_ids[r, pw - p :] = prompts[r // G][:p]
+        prompt_mask[r, pw - p :] = 1
+        completion_ids[r, :c] = torch.randint(3, vocab, (c,), generator=g)
+        completion_mask[r, :c] = 1
+    advantages = torch.randn(rows, generator=g)
+    return {
+        "prompt_ids": prompt_ids.to(device),
+        "prompt_mask": prompt_mask.to(device),
+        "completion_ids": completion_ids.to(device),
+        "completion_mask": completion_mask.to(device),
+        "advantages": advantages.to(device),
+        "num_items_in_batch": completion_mask.sum().to(device),
+    }
+
+
+def with_fixed_batch(cls):
+    class Fixed(cls):
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            n = len(out["prompt_ids"])
+            rank = self.accelerator.process_index
+            fixed = fixed_batch(len(self.processing_class), self.accelerator.device)
+            assert n * self.accelerator.num_processes == GROUPS * G, (n, self.accelerator.num_processes)
+            for key, value in fixed.items():
+                out[key] = value if value.ndim == 0 else value[rank * n : (rank + 1) * n]
+            if "old_logps" in out:  # RLOO: the sequence log-probs of the (new) completions under the current policy
+                ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+                mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+                with torch.no_grad():
+                    per_token, _, _ = self._get_per_token_logps_and_entropies(
+                        self.model, ids, mask, out["completion_ids"].size(1)
+                    )
+                out["old_logps"] = (per_token * out["completion_mask"]).sum(1)
+                fixed = {**fixed, "old_logps": None}
+            stale = [k for k, v in out.items() if k not in fixed and isinstance(v, torch.Tensor)]
+            assert not stale, f"entries computed from the sampled completions would be stale: {stale}"
+            return out
+
+    return Fixed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--trainer", choices=["grpo", "rloo"], default="grpo")
+    parser.add_argument("--dta", type=int, default=1)
+    parser.add_argument("--peft", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--processes", type=int, required=True)
+    parser.add_argument("--model_dir", required=True)
+    args = parser.parse_args()
+
+    from datasets import Dataset
+
+    if args.trainer == "grpo":
+        from trl import GRPOConfig, GRPOTrainer
+
+        from trl_dta import DTAGRPOConfig, DTAGRPOTrainer
+
+        cls, config_cls = (DTAGRPOTrainer, DTAGRPOConfig) if args.dta else (GRPOTrainer, GRPOConfig)
+    else:
+        from trl import RLOOConfig, RLOOTrainer
+
+        from trl_dta import DTARLOOConfig, DTARLOOTrainer
+
+        cls, config_cls = (DTARLOOTrainer, DTARLOOConfig) if args.dta else (RLOOTrainer, RLOOConfig)
+    tokenizer = build_tokenizer()
+    dataset = Dataset.from_dict({"prompt": [f"prompt number {i}: a+b=" for i in range(GROUPS * 4)]})
+    per_device = GROUPS * G // (2 * args.processes)  # two micro-batches per step, whatever the process count
+    extra = dict(dta_min_compression=0.0) if args.dta else {}
+    config = config_cls(
+        output_dir=str(Path(args.out).parent / f"run-{Path(args.out).stem}"),
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=2,
+        num_generations=G,
+        max_completion_length=4,
+        max_steps=args.steps,
+        learning_rate=0.05,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+        gradient_checkpointing=False,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+        beta=0.0,  # no reference log-probs (they would belong to the sampled, replaced completions)
+        **extra,
+    )
+    peft_config = None
+    if args.peft:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
+    trainer = with_fixed_batch(cls)(
+        model=args.model_dir,
+        reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
+    state = PartialState()  # initialised by the trainer (use_cpu=True: a gloo group on CPU)
+    assert state.num_processes == args.processes, f"expected {args.processes} processes, got {state.num_processes}"
+    trainer.train()
+    if state.is_main_process:
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        params = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+        logs = [e for e in trainer.state.log_history if "loss" in e]
+        torch.save({"params": params, "logs": logs}, args.out)
+
+
+if __name__ == "__main__":
+    main()

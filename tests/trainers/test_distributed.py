@@ -1,0 +1,91 @@
+"""Two processes (`accelerate launch`, gloo on CPU) train exactly what one process trains on the same global batch.
+
+Each run is `dist_run.py`: real trainers, real generation and scoring, then every rank's rows replaced by its slice
+of one fixed global batch (see that file). The reference is TRL's own trainer in one process; the DTA run uses two
+processes, exchanges prompt groups between ranks (`dta_balance`), back-propagates through the engine without DDP's
+hooks and reduces the gradients once per step.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from .conftest import build_model, build_tokenizer
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+SCRIPT = Path(__file__).with_name("dist_run.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("dist_model")
+    tokenizer = build_tokenizer()
+    build_model(len(tokenizer)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run(out: Path, model_dir: str, processes: int, **flags) -> dict:
+    args = [f"--{k}={v}" for k, v in flags.items()]
+    args += [f"--out={out}", f"--processes={processes}", f"--model_dir={model_dir}"]
+    if processes == 1:
+        cmd = [sys.executable, str(SCRIPT), *args]
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={processes}",
+               "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no", f"--main_process_port={free_port()}",
+               str(SCRIPT), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return torch.load(out)
+
+
+def compare(ref: dict, dta: dict, initial: dict, rtol: float = 1e-5) -> float:
+    """Parameters within `rtol` of their size; those with a known initial value also within 1e-4 of their update
+    (which must be non-zero, so that the comparison can fail)."""
+    worst = 0.0
+    assert set(ref["params"]) == set(dta["params"])
+    for name, p in ref["params"].items():
+        diff = (dta["params"][name] - p).abs().max().item()
+        assert diff <= rtol * p.abs().max().item(), f"{name}: {diff:.3g} vs size {p.abs().max().item():.3g}"
+        if name in initial:
+            moved = (p - initial[name]).abs().max().item()
+            assert moved > 0, f"{name} did not change: the comparison could not fail"
+            assert diff <= 1e-4 * moved, f"{name}: {diff:.3g} vs update {moved:.3g}"
+            worst = max(worst, diff / moved)
+    assert initial.keys() & ref["params"].keys(), "no parameter was checked against its update"
+    for r, d in zip(ref["logs"], dta["logs"], strict=True):
+        assert d["loss"] == pytest.approx(r["loss"], rel=1e-5, abs=1e-6)
+    return worst
+
+
+@pytest.mark.parametrize("trainer", ["grpo", "rloo"])
+@pytest.mark.parametrize("peft", [0, 1], ids=["full", "lora"])
+def test_two_processes_equal_one_process(tmp_path, model_dir, trainer, peft):
+    ref = run(tmp_path / "ref.pt", model_dir, 1, trainer=trainer, dta=0, peft=peft)
+    dta = run(tmp_path / "dta.pt", model_dir, 2, trainer=trainer, dta=1, peft=peft)
+    if peft:  # LoRA B starts at zero
+        initial = {n: torch.zeros_like(p) for n, p in ref["params"].items() if "lora_B" in n}
+    else:
+        from transformers import AutoModelForCausalLM
+
+        initial = {n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(model_dir).named_parameters()}
+    compare(ref, dta, initial)
+    # The balancer moved rows: groups 0 and 2 share a prompt prefix and now sit on the same rank.
+    log = dta["logs"][0]
+    assert log["dta/compression_ratio_after_balance"] > log["dta/compression_ratio_before_balance"]
+    assert log["dta/rank_cost_imbalance"] >= 1.0

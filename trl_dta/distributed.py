@@ -1,0 +1,152 @@
+"""Data-parallel DTA: one balanced forest per rank, and one gradient reduction per optimizer step.
+
+After the rollouts of a step are generated and scored, every rank holds an equal number of rows, and a prompt's group
+may straddle two ranks. [`redistribute`] gathers the global batch, cuts it into one forest per rank with
+[`~trl_dta.balance.partition`] (lexicographic order, equal cost, groups kept whole), and returns this rank's rows:
+
+```
+global batch (sorted):  g0 g0 g0 g0 | g1 g1 g1 g1 | g2 g2 g2 g2 g2 g2 g2 g2 (long prompt) | g3 g3 g3 g3
+rank 0:                 g0 ........ g1 ........ g3 ........          (cost 0.98 of the mean)
+rank 1:                                          g2 ................   (cost 1.02 of the mean)
+```
+
+Ranks then hold different numbers of rows; the loss normalisers TRL uses for its default objectives are global counts
+(`num_items_in_batch`), so the sum of the ranks' gradients is still the single-process gradient.
+
+The engine back-propagates many times per micro-batch, through the unwrapped model. DDP's reducer only arms its hooks
+in its own `forward`, so those backward calls never synchronise; [`all_reduce_gradients`] averages the gradients once,
+explicitly, at the end of each accumulation window (in bucketed, flattened all-reduces).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from .balance import CostModel, Partition, partition
+from .tree import PrefixTree
+
+# Keys of a TRL generation batch whose second dimension is the (left-padded) prompt.
+_PROMPT_KEYS = ("prompt_ids", "prompt_mask")
+_BUCKET_BYTES = 32 * 1024 * 1024
+
+
+def _rows(batch: dict) -> int:
+    return len(batch["prompt_ids"])
+
+
+def sequences(batch: dict) -> list[torch.Tensor]:
+    """Each row's unpadded prompt + completion tokens (1-D, CPU)."""
+    prompt, pmask = batch["prompt_ids"].cpu(), batch["prompt_mask"].cpu().bool()
+    completion, cmask = batch["completion_ids"].cpu(), batch["completion_mask"].cpu().bool()
+    return [torch.cat([p[m], c[n]]) for p, m, c, n in zip(prompt, pmask, completion, cmask)]
+
+
+def gather_batch(accelerator, batch: dict, pad_token_id: int) -> dict:
+    """The global generation batch, rows in rank order (the order TRL's reward gathering uses).
+
+    Per-row tensors are padded to the widest rank first (prompt tensors on the left, everything else on the right);
+    scalars (`num_items_in_batch`) are already global and kept; None stays None.
+    """
+    n = _rows(batch)
+    out = {}
+    for key, value in batch.items():
+        if value is None or (isinstance(value, torch.Tensor) and value.ndim == 0):
+            out[key] = value
+            continue
+        if not isinstance(value, torch.Tensor) or value.shape[0] != n:
+            raise NotImplementedError(
+                f"cannot redistribute generation-batch entry '{key}' ({type(value).__name__}) across processes; set "
+                "`dta_balance=False`."
+            )
+        if value.ndim > 1:
+            pad = pad_token_id if key == "prompt_ids" else 0
+            value = accelerator.pad_across_processes(value, dim=1, pad_index=pad, pad_first=key in _PROMPT_KEYS)
+        out[key] = accelerator.gather(value)
+    return out
+
+
+def take_rows(batch: dict, rows: torch.Tensor) -> dict:
+    """The given rows of every per-row tensor; scalars and None unchanged."""
+    n = _rows(batch)
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape[0] == n:
+            out[key] = value[rows.to(value.device)]
+        else:
+            out[key] = value
+    return out
+
+
+def redistribute(
+    accelerator,
+    batch: dict,
+    group_ids: torch.Tensor,
+    *,
+    pad_token_id: int,
+    cost_model: CostModel | None = None,
+    equal_count: bool = True,
+) -> tuple[dict, torch.Tensor, Partition]:
+    """Give this rank a forest of equal cost from the global batch.
+
+    Args:
+        accelerator (`accelerate.Accelerator`): the trainer's accelerator (`num_processes > 1`).
+        batch (`dict`): this rank's generation batch (TRL's `_generate_and_score_completions` output).
+        group_ids (`torch.LongTensor` of shape `(rows,)`): global group id of each local row (a prompt's completions
+            share one); groups are never split across ranks.
+        pad_token_id (`int`): padding id of `prompt_ids`.
+        cost_model ([`~trl_dta.balance.CostModel`], *optional*): cost of a forest; the default model if None.
+        equal_count (`bool`, *optional*, defaults to `True`): every rank keeps its number of rows (whole groups are
+            exchanged), so that every rank runs the same micro-batches; balance then comes from which groups go where.
+
+    Returns:
+        `(local_batch, local_group_ids, partition)`: this rank's rows, their group ids, and the whole partition (for
+        logging: `partition.imbalance`, `partition.compression_before` / `compression_after`).
+    """
+    world = accelerator.num_processes
+    full = gather_batch(accelerator, {**batch, "_dta_group": group_ids.to(accelerator.device)}, pad_token_id)
+    groups = full.pop("_dta_group").cpu()
+    tree = PrefixTree.from_sequences(sequences(full))
+    result = partition(tree, world, cost_model=cost_model, group_ids=groups.tolist(), keep_groups=True,
+                       equal_count=equal_count)
+    mine = torch.tensor(sorted(result.parts[accelerator.process_index]), dtype=torch.long)
+    return take_rows(full, mine), groups[mine], result
+
+
+def trainable_parameters(model) -> list[torch.nn.Parameter]:
+    """Parameters that receive gradients, in a fixed order (the same on every rank)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+@torch.no_grad()
+def all_reduce_gradients(params: Iterable[torch.nn.Parameter], world_size: int, group=None) -> None:
+    """Average `.grad` over all ranks, in place, as DDP would (sum / world size).
+
+    Every rank must pass the same parameters in the same order; a missing gradient counts as zeros (and is then
+    allocated), so that a rank whose micro-batches did not touch a parameter still takes part in its reduction.
+    """
+    params = list(params)
+    if world_size == 1 or not params:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for p in params + [None]:
+        if p is not None and (not bucket or (size + p.grad.nbytes <= _BUCKET_BYTES and p.grad.dtype == bucket[0].dtype
+                                             and p.grad.device == bucket[0].device)):
+            bucket.append(p.grad)
+            size += p.grad.nbytes
+            continue
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        flat.div_(world_size)
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        if p is not None:
+            bucket, size = [p.grad], p.grad.nbytes
