@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--peft", type=int, default=0)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--processes", type=int, required=True)
+    parser.add_argument("--cost_model", default="default")
     parser.add_argument("--model_dir", required=True)
     args = parser.parse_args()
 
@@ -111,7 +112,7 @@ def main() -> None:
     tokenizer = build_tokenizer()
     dataset = Dataset.from_dict({"prompt": [f"prompt number {i}: a+b=" for i in range(GROUPS * 4)]})
     per_device = GROUPS * G // (2 * args.processes)  # two micro-batches per step, whatever the process count
-    extra = dict(dta_min_compression=0.0) if args.dta else {}
+    extra = dict(dta_min_compression=0.0, dta_cost_model=args.cost_model) if args.dta else {}
     config = config_cls(
         output_dir=str(Path(args.out).parent / f"run-{Path(args.out).stem}"),
         per_device_train_batch_size=per_device,
@@ -149,6 +150,9 @@ def main() -> None:
     state = PartialState()  # initialised by the trainer (use_cpu=True: a gloo group on CPU)
     assert state.num_processes == args.processes, f"expected {args.processes} processes, got {state.num_processes}"
     trainer.train()
+    if args.dta and args.cost_model == "fit":
+        model = trainer._dta_cost_model
+        assert model.fixed_cost > 0 or model.token_cost != 1.0, f"the cost model was not refitted: {model}"
     if state.is_main_process:
         model = trainer.accelerator.unwrap_model(trainer.model)
         params = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}

@@ -89,3 +89,14 @@ def test_two_processes_equal_one_process(tmp_path, model_dir, trainer, peft):
     log = dta["logs"][0]
     assert log["dta/compression_ratio_after_balance"] > log["dta/compression_ratio_before_balance"]
     assert log["dta/rank_cost_imbalance"] >= 1.0
+
+
+def test_fitted_cost_model_keeps_results(tmp_path, model_dir):
+    """`dta_cost_model='fit'`: from the third step the balancer uses coefficients fitted to all ranks' engine times
+    (gathered, so every rank partitions identically); the trained parameters are still TRL's."""
+    ref = run(tmp_path / "ref.pt", model_dir, 1, trainer="grpo", dta=0, steps=3)
+    dta = run(tmp_path / "dta.pt", model_dir, 2, trainer="grpo", dta=1, steps=3, cost_model="fit")
+    from transformers import AutoModelForCausalLM
+
+    initial = {n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(model_dir).named_parameters()}
+    compare(ref, dta, initial)
