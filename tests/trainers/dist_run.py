@@ -19,7 +19,7 @@ import torch
 from accelerate import PartialState
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import PAD, build_model, build_tokenizer  # noqa: E402
+from conftest import PAD, build_tokenizer, make_args  # noqa: E402
 
 GROUPS, G, PROMPT, COMPLETION = 4, 4, (10, 24), (1, 7)
 
@@ -113,24 +113,13 @@ def main() -> None:
     dataset = Dataset.from_dict({"prompt": [f"prompt number {i}: a+b=" for i in range(GROUPS * 4)]})
     per_device = GROUPS * G // (2 * args.processes)  # two micro-batches per step, whatever the process count
     extra = dict(dta_min_compression=0.0, dta_cost_model=args.cost_model) if args.dta else {}
-    config = config_cls(
-        output_dir=str(Path(args.out).parent / f"run-{Path(args.out).stem}"),
+    config = make_args(
+        config_cls,
+        Path(args.out).parent / f"run-{Path(args.out).stem}",
+        args.steps,
         per_device_train_batch_size=per_device,
-        gradient_accumulation_steps=2,
         num_generations=G,
         max_completion_length=4,
-        max_steps=args.steps,
-        learning_rate=0.05,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        logging_steps=1,
-        report_to="none",
-        bf16=False,
-        use_cpu=True,
-        gradient_checkpointing=False,
-        save_strategy="no",
-        seed=0,
-        disable_tqdm=True,
         beta=0.0,  # no reference log-probs (they would belong to the sampled, replaced completions)
         **extra,
     )

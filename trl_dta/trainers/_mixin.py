@@ -30,7 +30,6 @@ nothing to the model's gradients, and the value it logs is TRL's.
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import resource
 import time
@@ -48,11 +47,10 @@ from trl.trainer.utils import (
 
 from ..balance import CostModel, forest_stats, partition
 from ..distributed import all_reduce_gradients, redistribute, trainable_parameters
-from ..engine import DTAEngine
+from ..engine import DTAEngine, _warn_once
 from ..lm_head import HeadSpec
 from ..tree import PrefixTree
 
-logger = logging.getLogger(__name__)
 
 # Inputs of vision-language models: a micro-batch carrying any of them runs TRL's dense path.
 _VISION_KEYS = (
@@ -67,15 +65,6 @@ _VISION_KEYS = (
     "num_images",
     "num_tiles",
 )
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(message)
-
-
 @dataclass
 class DTAArguments:
     """The `dta_*` fields shared by [`DTAGRPOConfig`] and [`DTARLOOConfig`] (see their docstrings)."""
