@@ -90,6 +90,14 @@ class DTAArguments:
             "forwarded together, with the prompt's keys/values shared, up to this many tokens per forward."
         },
     )
+    dta_max_pack_tokens: int = field(
+        default=1024,
+        metadata={
+            "help": "A subtree of the prefix tree with at most this many tokens (e.g. a group of short multi-turn "
+            "branches) runs as one tree-masked row of a batched forward instead of segment by segment: fewer, larger "
+            "forward/backward calls, at the price of attention over the whole row. `0` walks every segment."
+        },
+    )
     dta_max_graph_tokens: int | None = field(
         default=None,
         metadata={
@@ -138,6 +146,9 @@ class DTAArguments:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+        value = self.dta_max_pack_tokens
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"`dta_max_pack_tokens` must be a non-negative integer, got {value!r}.")
         value = self.dta_max_graph_tokens
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"`dta_max_graph_tokens` must be None or a non-negative integer, got {value!r}.")
@@ -344,6 +355,7 @@ class DTATrainerMixin:
                 block_size=self._dta.dta_block_size,
                 max_batch_tokens=self._dta.dta_max_batch_tokens,
                 max_graph_tokens=self._dta_max_graph_tokens,
+                max_pack_tokens=self._dta.dta_max_pack_tokens,
             )
             self._dta_engines[id(model)] = engine
         return engine
