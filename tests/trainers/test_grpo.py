@@ -15,7 +15,8 @@ from peft import LoraConfig, PromptTuningConfig
 from transformers import MixtralConfig, MixtralForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
-from trl_dta.trainers import DTAGRPOConfig, DTAGRPOTrainer, _mixin
+from trl_dta import engine as engine_module
+from trl_dta.trainers import DTAGRPOConfig, DTAGRPOTrainer
 
 from .conftest import DTA, EOS, assert_equivalent, assert_params_close, build_model, make_args, train
 
@@ -193,7 +194,7 @@ def test_gradient_checkpointing_maps_to_graph_budget(tmp_path, model_dir, tokeni
             r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")})
     _, dta = compare(tmp_path, model_dir, tokenizer, dataset, gradient_checkpointing=True, num_iterations=2,
                      dta_config={**DTA, "dta_block_size": 4}, **extra)
-    assert "gradient_checkpointing" in _mixin._warned  # the user is told once
+    assert "gradient_checkpointing" in engine_module._warned  # the user is told once
     engine = next(iter(dta.trainer._dta_engines.values()))
     assert engine.max_graph_tokens == 4
     assert engine.last_stats["recomputed_tokens"] > 0
