@@ -1,0 +1,141 @@
+"""The recipe `recipes/grpo.py`: argument handling, the summary, and short real runs as subprocesses."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "grpo.py"
+CONFIGS = ROOT / "recipes" / "configs"
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    spec = importlib.util.spec_from_file_location("trl_dta_recipe_grpo", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]
+
+
+def _run(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env.pop("ACCELERATE_USE_CPU", None)
+    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def _summary(result: subprocess.CompletedProcess) -> dict:
+    """Numbers of the summary block the recipe prints at the end."""
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    out = result.stdout
+    assert "trl-dta GRPO summary" in out, out[-3000:]
+    steps, processes = re.search(r"steps: (\d+)\s+processes: (\d+)\s+wall time: ([\d.]+) s", out).groups()[:2]
+    first, last = re.search(r"reward: mean of first \d+ logged steps ([\d.]+) -> last \d+ logged steps ([\d.]+)",
+                            out).groups()
+    summary = {"steps": int(steps), "processes": int(processes), "first": float(first), "last": float(last)}
+    ratio = re.search(r"DTA: compression ratio ([\d.]+)x", out)
+    if ratio:
+        dense, tree, computed = re.search(
+            r"dense (\d+), prefix tree (\d+), computed (\d+) \(([\d.]+)% of dense\)", out
+        ).groups()[:3]
+        summary.update(ratio=float(ratio.group(1)), dense=int(dense), tree=int(tree), computed=int(computed))
+    return summary
+
+
+# ------------------------------------------------------------------------------------------------ in-process parts
+
+
+def test_default_config_applies_only_to_the_embedded_setup(recipe):
+    script_args, training_args, model_args = recipe.parse_args([])
+    assert script_args.dataset_name is None and model_args.model_name_or_path is None
+    assert training_args.max_steps == 100 and training_args.learning_rate == 3e-3
+    assert training_args.use_cpu and not training_args.bf16 and not training_args.gradient_checkpointing
+    assert training_args.max_completion_length == 6 and script_args.torch_num_threads == 1
+    _, training_args, _ = recipe.parse_args(["--max_steps", "7"])
+    assert training_args.max_steps == 7  # the command line overrides the default config
+    _, training_args, model_args = recipe.parse_args(["--model_name_or_path", "Qwen/Qwen2.5-0.5B", "--use_cpu"])
+    assert model_args.model_name_or_path == "Qwen/Qwen2.5-0.5B"
+    assert training_args.learning_rate == 1e-6 and training_args.max_completion_length == 512  # TRL's defaults
+    script_args, training_args, model_args = recipe.parse_args(["--config", str(CONFIGS / "lora.yaml")])
+    assert model_args.use_peft and model_args.lora_dropout == 0.0 and model_args.lora_modules_to_save == ["norm"]
+
+
+def test_reward_funcs_resolution_and_errors(recipe, tmp_path):
+    from trl_dta.tiny import arithmetic_reward
+
+    assert recipe.load_reward_funcs(["arithmetic_reward", "trl_dta.tiny.arithmetic_reward"]) == [arithmetic_reward] * 2
+    with pytest.raises(ValueError, match="--reward_funcs"):
+        recipe.load_reward_funcs(["no_such_reward"])
+    script_args, training_args, model_args = recipe.parse_args(
+        ["--dataset_name", "some/dataset", "--model_name_or_path", "some/model", "--output_dir", str(tmp_path),
+         "--use_cpu"]
+    )
+    with pytest.raises(ValueError, match="--reward_funcs"):
+        recipe.main(script_args, training_args, model_args)
+    script_args, training_args, model_args = recipe.parse_args(
+        ["--dataset_name", "some/dataset", "--reward_funcs", "accuracy_reward", "--output_dir", str(tmp_path)]
+    )
+    with pytest.raises(ValueError, match="--model_name_or_path"):
+        recipe.main(script_args, training_args, model_args)
+
+
+def test_summary_reads_the_logged_metrics(recipe):
+    logs = [
+        {"reward": r, "dta/compression_ratio": 6.0, "dta/tokens": 3600.0, "dta/tree_tokens": 600.0,
+         "dta/forward_tokens": 630.0}
+        for r in (0.1, 0.2, 0.3, 0.5, 0.6, 0.7)
+    ] + [{"train_runtime": 1.0}]
+    text = recipe.summarize(logs, steps=6, wall_time=12.0, window=2, num_processes=2)
+    assert "steps: 6    processes: 2    wall time: 12.0 s (2.00 s/step)" in text
+    assert "first 2 logged steps 0.150 -> last 2 logged steps 0.650 (+0.500)" in text
+    assert "compression ratio 6.00x" in text and "dense 3600, prefix tree 600, computed 630 (17.5% of dense)" in text
+    dense_only = recipe.summarize([{"reward": 0.1}, {"reward": 0.2}], steps=2, wall_time=1.0, window=5)
+    assert "first 1 logged steps 0.100 -> last 1 logged steps 0.200" in dense_only
+    assert "DTA: no metrics logged" in dense_only
+
+
+# ------------------------------------------------------------------------------------------------------- real runs
+
+
+def test_default_run(tmp_path):
+    out = tmp_path / "run"
+    result = _run([sys.executable, str(RECIPE), "--max_steps", "3", "--tiny_num_rows", "64", "--output_dir", str(out)])
+    summary = _summary(result)
+    assert summary["steps"] == 3 and summary["processes"] == 1
+    assert 0.0 <= summary["first"] <= 1.0 and 0.0 <= summary["last"] <= 1.0
+    # 8 completions of <= 6 tokens per ~110-token prompt: the tree holds about a sixth of the tokens.
+    assert 4.0 < summary["ratio"] < 8.0
+    assert summary["tree"] <= summary["computed"] < summary["dense"]
+    assert (out / "initial_model" / "tokenizer.json").is_file() and (out / "model.safetensors").is_file()
+
+
+def test_lora_config_run(tmp_path):
+    out = tmp_path / "lora"
+    result = _run([sys.executable, str(RECIPE), "--config", str(CONFIGS / "lora.yaml"), "--max_steps", "2",
+                   "--tiny_num_rows", "32", "--output_dir", str(out)])
+    summary = _summary(result)
+    assert summary["steps"] == 2 and 4.0 < summary["ratio"] < 8.0
+    assert (out / "adapter_config.json").is_file()
+
+
+@pytest.mark.distributed
+def test_two_process_cpu_launch(tmp_path):
+    """`accelerate_multi_cpu.yaml` really starts two processes in one CPU group, and DTA trains in both."""
+    result = _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                   str(CONFIGS / "accelerate_multi_cpu.yaml"), str(RECIPE), "--config", str(CONFIGS / "default.yaml"),
+                   "--max_steps", "2", "--tiny_num_rows", "64", "--output_dir", str(tmp_path / "ddp")], timeout=300)
+    summary = _summary(result)
+    assert summary["processes"] == 2 and summary["steps"] == 2
+    assert 4.0 < summary["ratio"] < 8.0
+    assert "groups balanced over 2 processes" in result.stdout
