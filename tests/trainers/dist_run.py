@@ -12,6 +12,7 @@ saved by rank 0.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -147,6 +148,14 @@ def main() -> None:
         params = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
         logs = [e for e in trainer.state.log_history if "loss" in e]
         torch.save({"params": params, "logs": logs}, args.out)
+    if state.num_processes > 1:
+        # Leave without destructors: freeing the gloo process group can deadlock at exit in torch 2.13 (its
+        # destructor joins worker threads while holding the GIL; see recipes/grpo.py). Everything is saved.
+        state.wait_for_everyone()
+        trainer.end()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
