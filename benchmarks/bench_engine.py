@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -72,6 +73,16 @@ class MethodConfig:
     dta_max_graph_tokens: int | None = field(default=None, metadata={"help": "DTA kept-graph budget for `dta`."})
     dta_lowmem_graph_tokens: int = field(default=1024, metadata={"help": "Kept-graph budget of `dta-lowmem`."})
     dta_block_size: int = field(default=1024, metadata={"help": "DTA recompute block."})
+    dta_max_pack_tokens: int | None = field(
+        default=None, metadata={"help": "DTA packed-subtree budget (None: the engine's default)."}
+    )
+
+    def engine_kwargs(self, max_graph_tokens: int | None) -> dict:
+        kwargs = dict(max_batch_tokens=self.dta_max_batch_tokens, max_graph_tokens=max_graph_tokens,
+                      block_size=self.dta_block_size)
+        if self.dta_max_pack_tokens is not None:
+            kwargs["max_pack_tokens"] = self.dta_max_pack_tokens
+        return kwargs
 
 
 PROVIDERS: dict[str, Callable] = {
@@ -80,95 +91,97 @@ PROVIDERS: dict[str, Callable] = {
                                                    gradient_checkpointing=True),
     "sparse": lambda model, cfg: SparseProvider(model, attention=cfg.sparse_attention,
                                                 max_tokens=cfg.sparse_max_tokens),
-    "dta": lambda model, cfg: DTAProvider(model, max_batch_tokens=cfg.dta_max_batch_tokens,
-                                          max_graph_tokens=cfg.dta_max_graph_tokens, block_size=cfg.dta_block_size),
-    "dta-lowmem": lambda model, cfg: DTAProvider(model, max_batch_tokens=cfg.dta_max_batch_tokens,
-                                                 max_graph_tokens=cfg.dta_lowmem_graph_tokens,
-                                                 block_size=cfg.dta_block_size),
+    "dta": lambda model, cfg: DTAProvider(model, **cfg.engine_kwargs(cfg.dta_max_graph_tokens)),
+    "dta-lowmem": lambda model, cfg: DTAProvider(model, **cfg.engine_kwargs(cfg.dta_lowmem_graph_tokens)),
 }
 
 
-def _warmup_seqs(seqs: list[torch.Tensor], n_tokens: int = 128) -> list[torch.Tensor]:
-    """A small batch with the same kind of sharing (first sequences, truncated) to warm up kernels and threads."""
-    return [s[:n_tokens] for s in seqs[:4]]
+class MethodRun:
+    """One method on one workload: model, optimizer and provider built once, then timed steps on demand.
 
-
-def measure(
-    workload: workloads.Workload,
-    method: str,
-    shape: str,
-    device: str = "cpu",
-    dtype: str = "fp32",
-    cfg: MethodConfig | None = None,
-    iters: int = 1,
-    min_time: float = 0.0,
-    full_warmup: bool = False,
-    threads: int | None = None,
-    seed: int = 0,
-) -> dict:
-    """Time one method on one workload (call it through `common.run_isolated` for a clean peak memory).
-
-    Returns:
-        `dict`: a CSV row (ratios over other methods are filled in later by `common.fill_ratios`).
+    Built inside a `common.Worker` process: the constructor builds everything, takes the memory baseline and runs
+    one untimed warm-up step on the whole batch; `step()` times one training step (forward + backward + AdamW step)
+    on the whole batch; `result()` returns the CSV row (peak memory over all steps, warm-up included).
     """
-    if method not in PROVIDERS:
-        raise ValueError(f"unknown method {method!r}; choose from {list(PROVIDERS)}")
-    cfg = cfg or MethodConfig()
-    common.set_threads(threads)
-    torch.manual_seed(seed)
-    model = common.build_model(shape, common.parse_dtype(dtype), device, seed=seed)
-    optimizer = common.make_optimizer(model)
-    provider = PROVIDERS[method](model, cfg)
-    seqs = workload.seqs
-    tree = workload.tree()
-    loss_fn = common.make_loss_fn(len(seqs), tree.n_tokens, seed)
-    record: dict = {}
 
-    def step(batch=seqs, fn=loss_fn):
-        out = provider.forward_backward(batch, fn)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        record.setdefault("loss", out.loss)  # the first full step's loss, before any update
-        record["stats"] = out.stats
+    def __init__(self, workload: workloads.Workload, method: str, shape: str, device: str = "cpu",
+                 dtype: str = "fp32", cfg: MethodConfig | None = None, threads: int | None = None, seed: int = 0):
+        if method not in PROVIDERS:
+            raise ValueError(f"unknown method {method!r}; choose from {list(PROVIDERS)}")
+        self.workload, self.method, self.device, self.dtype = workload, method, device, dtype
+        self.cfg = cfg or MethodConfig()
+        self.shape = get_model_shape(shape)
+        common.set_threads(threads)
+        torch.manual_seed(seed)
+        self.model = common.build_model(self.shape, common.parse_dtype(dtype), device, seed=seed)
+        self.optimizer = common.make_optimizer(self.model)
+        self.provider = PROVIDERS[method](self.model, self.cfg)
+        self.tree = workload.tree()
+        self.loss_fn = common.make_loss_fn(len(workload.seqs), self.tree.n_tokens, seed)
+        self.cuda = device.startswith("cuda")
+        self.times: list[float] = []
+        self.loss = None
+        self.stats: dict = {}
+        self.mem = common.PeakMemory(device)
+        self.mem.reset()
+        # warm-up: one full step (allocator pools, kernel selection, lazily built state), not timed
+        self._step(workload.seqs, self.loss_fn)
 
-    mem = common.PeakMemory(device)
-    mem.reset()
-    if full_warmup:
-        step()
-    else:
-        small = _warmup_seqs(seqs)
-        step(small, common.make_loss_fn(len(small), sum(len(s) for s in small), seed))
-        record.pop("loss")
-    timing = common.time_steps(step, device, warmup=0, iters=iters, min_time=min_time)
-    peak = max(mem.peak_mb(), 0.0)
-    model_shape = get_model_shape(shape)
-    if method.startswith("dense"):
-        work = padded_dense_flops(tree.lengths, model_shape, cfg.micro_batch_size).total
-    else:
-        work = tree_flops(tree, model_shape).total
-    stats = record.get("stats", {})
-    return {
-        "workload": workload.name,
-        "method": method,
-        "n_sequences": tree.n_sequences,
-        "n_tokens": tree.n_tokens,
-        "n_tree_tokens": tree.n_tree_tokens,
-        "compression_ratio": tree.compression_ratio,
-        "ideal_ratio": ideal_ratio(tree, model_shape),
-        "step_s": timing.step_s,
-        "median_step_s": timing.median_s,
-        "loadavg": os.getloadavg()[0],
-        "tokens_per_s": tree.n_tokens / timing.step_s,
-        "peak_mem_mb": peak,
-        "tflops": work / timing.step_s / 1e12,
-        "dense_tflop": dense_flops(tree.lengths, model_shape).total / 1e12,
-        "loss": record.get("loss"),
-        "steps": timing.steps,
-        "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))},
-        "model_shape": model_shape.name,
-        "device": device,
-        "dtype": dtype,
-    }
+    def _step(self, seqs, loss_fn):
+        out = self.provider.forward_backward(seqs, loss_fn)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return out
+
+    def step(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = self._step(self.workload.seqs, self.loss_fn)
+        if self.cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        self.times.append(dt)
+        if self.loss is None:
+            self.loss = out.loss  # the first timed step's loss (same parameters for every method)
+        self.stats = {k: v for k, v in out.stats.items() if isinstance(v, (int, float))}
+        return dt
+
+    def result(self) -> dict:
+        tree, times = self.tree, sorted(self.times)
+        if self.method.startswith("dense"):
+            work = padded_dense_flops(tree.lengths, self.shape, self.cfg.micro_batch_size).total
+        else:
+            work = tree_flops(tree, self.shape).total
+        return {
+            "workload": self.workload.name,
+            "method": self.method,
+            "n_sequences": tree.n_sequences,
+            "n_tokens": tree.n_tokens,
+            "n_tree_tokens": tree.n_tree_tokens,
+            "compression_ratio": tree.compression_ratio,
+            "ideal_ratio": ideal_ratio(tree, self.shape),
+            "step_s": times[0],
+            "median_step_s": times[len(times) // 2],
+            "steps": len(times),
+            "tokens_per_s": tree.n_tokens / times[0],
+            "peak_mem_mb": max(self.mem.peak_mb(), 0.0),
+            "tflops": work / times[0] / 1e12,
+            "dense_tflop": dense_flops(tree.lengths, self.shape).total / 1e12,
+            "loss": self.loss,
+            "stats": self.stats,
+            "model_shape": self.shape.name,
+            "device": self.device,
+            "dtype": self.dtype,
+            "loadavg": os.getloadavg()[0],
+        }
+
+
+def _error_row(w, tree, method, shape, device, dtype, error):
+    return {"workload": w.name, "method": method, "n_sequences": tree.n_sequences, "n_tokens": tree.n_tokens,
+            "n_tree_tokens": tree.n_tree_tokens, "compression_ratio": tree.compression_ratio,
+            "ideal_ratio": ideal_ratio(tree, shape), "error": error, "model_shape": shape, "device": device,
+            "dtype": dtype}
 
 
 def run_grid(
@@ -178,61 +191,79 @@ def run_grid(
     device: str,
     dtype: str,
     cfg: MethodConfig,
-    iters: int = 1,
-    min_time: float = 0.0,
     rounds: int = 2,
+    interleave: bool | None = None,
     isolate: bool = True,
     threads: int | None = None,
     timeout: float | None = None,
 ) -> list[dict]:
-    """Every method on every workload, each run in its own process; failures become rows with an `error`.
+    """Every method on every workload, each in its own process; failures become rows with an `error`.
 
-    Methods are interleaved in `rounds` rounds (round-robin over methods, a fresh process each time) and the fastest
-    step over all rounds is kept: on a shared machine, load from other processes then hits every method alike.
-    Peak memory is the largest over the rounds.
+    Per workload, one `common.Worker` process per method is built (model, optimizer, warm-up); then `rounds` timed
+    steps per method, interleaved round-robin across the methods (`interleave`, default on CPU: other processes'
+    load then hits every method alike) or one method after the other (default on GPU, where only one model is alive
+    at a time). The fastest step is kept (other processes only ever add time); the median is reported too.
     """
+    interleave = (not device.startswith("cuda")) if interleave is None else interleave
     rows = []
     for w in grid:
         tree = w.tree()
-        ideal = ideal_ratio(tree, shape)
         common.log(f"== {w.name}: {len(w.seqs)} seqs, {tree.n_tokens} tokens, {tree.n_tree_tokens} tree tokens "
-                   f"({tree.compression_ratio:.2f}x), ideal {ideal:.2f}x  [{w.description}]")
-        results: dict[str, list[dict]] = {m: [] for m in methods}
+                   f"({tree.compression_ratio:.2f}x), ideal {ideal_ratio(tree, shape):.2f}x  [{w.description}]")
+        results: dict[str, dict] = {}
         errors: dict[str, str] = {}
-        for r in range(rounds):
-            for method in methods:
-                if method in errors:
-                    continue
-                try:
-                    row = common.run_isolated(
-                        measure, w, method, shape, device, dtype, cfg, iters, min_time,
-                        full_warmup=device.startswith("cuda"), threads=threads, isolate=isolate, timeout=timeout,
-                    )
-                    results[method].append(row)
-                    common.log(f"   [{r}] {method:12s} {row['step_s']:8.2f} s/step {row['tokens_per_s']:9.0f} tok/s "
-                               f"peak {row['peak_mem_mb']:8.0f} MB  loss {row['loss']:.6g}  load {row['loadavg']:.1f}")
-                except RuntimeError as e:
-                    msg = str(e).strip().splitlines()
-                    errors[method] = msg[0] if msg else "failed"
-                    common.log(f"   [{r}] {method:12s} FAILED: {errors[method]}")
-                    common.log("\n".join(msg[-15:]))
-        for method in methods:
-            runs = results[method]
-            if not runs:
-                rows.append({"workload": w.name, "method": method, "n_sequences": tree.n_sequences,
-                             "n_tokens": tree.n_tokens, "n_tree_tokens": tree.n_tree_tokens,
-                             "compression_ratio": tree.compression_ratio, "ideal_ratio": ideal,
-                             "error": errors.get(method, "failed"), "model_shape": shape, "device": device,
-                             "dtype": dtype})
-                continue
-            best = dict(min(runs, key=lambda x: x["step_s"]))
-            all_steps = sorted(x["step_s"] for x in runs)
-            best["median_step_s"] = all_steps[len(all_steps) // 2]
-            best["peak_mem_mb"] = max(x["peak_mem_mb"] for x in runs)
-            best["loss"] = runs[0]["loss"]
-            best["steps"] = sum(x["steps"] for x in runs)
-            best["loadavg"] = max(x["loadavg"] for x in runs)
-            rows.append(best)
+
+        def fail(method, e):
+            msg = str(e).strip().splitlines()
+            errors[method] = msg[0] if msg else "failed"
+            common.log(f"   {method:12s} FAILED: {errors[method]}\n" + "\n".join(msg[-12:]))
+
+        def start(method):
+            try:
+                return common.Worker(MethodRun, w, method, shape, device, dtype, cfg, threads, isolate=isolate,
+                                     timeout=timeout)
+            except RuntimeError as e:
+                fail(method, e)
+                return None
+
+        def run_steps(method, worker, n):
+            try:
+                for _ in range(n):
+                    dt = worker.call("step")
+                    common.log(f"   {method:12s} {dt:8.2f} s/step {tree.n_tokens / dt:9.0f} tok/s")
+                return True
+            except RuntimeError as e:
+                fail(method, e)
+                worker.close()
+                return False
+
+        def finish(method, worker):
+            try:
+                results[method] = worker.call("result")
+                r = results[method]
+                common.log(f"   {method:12s} best {r['step_s']:.2f} s  peak {r['peak_mem_mb']:.0f} MB  "
+                           f"loss {r['loss']:.6g}  load {r['loadavg']:.1f}")
+            except RuntimeError as e:
+                fail(method, e)
+            worker.close()
+
+        if interleave:
+            workers = {m: start(m) for m in methods}
+            workers = {m: x for m, x in workers.items() if x is not None}
+            for _ in range(rounds):
+                for m in list(workers):
+                    if not run_steps(m, workers[m], 1):
+                        del workers[m]
+            for m, x in workers.items():
+                finish(m, x)
+        else:
+            for m in methods:
+                x = start(m)
+                if x is not None and run_steps(m, x, rounds):
+                    finish(m, x)
+        for m in methods:
+            rows.append(results[m] if m in results else _error_row(w, tree, m, shape, device, dtype,
+                                                                   errors.get(m, "failed")))
     common.fill_ratios(rows)
     check_losses(rows)
     return rows
@@ -267,12 +298,11 @@ def main(argv=None) -> None:
                    help="length scale of all workloads (default: 0.5 GRPO / 0.25 multi-turn on CPU, 1 on GPU)")
     p.add_argument("--methods", default="dense,sparse,dta")
     p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument("--iters", type=int, default=1, help="timed steps per process")
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the methods (best step kept)")
-    p.add_argument("--min-time", type=float, default=0.0)
+    p.add_argument("--rounds", type=int, default=3, help="timed steps per method, interleaved (best kept)")
     p.add_argument("--tag", default="")
     p.add_argument("--no-isolate", action="store_true")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per run (1 avoids OpenMP oversubscription on a shared CPU)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per run on CPU (1 avoids OpenMP oversubscription on a shared machine)")
     args = p.parse_args(argv)
 
     cpu = args.device == "cpu"
@@ -287,8 +317,8 @@ def main(argv=None) -> None:
     else:
         grid = engine_workloads(1.0, 1.0, (16, 2048), vocab)
     cfg = MethodConfig(micro_batch_size=args.micro_batch_size)
-    rows = run_grid(grid, args.methods.split(","), shape, args.device, args.dtype, cfg, args.iters, args.min_time,
-                    rounds=args.rounds, isolate=not args.no_isolate, threads=args.threads)
+    rows = run_grid(grid, args.methods.split(","), shape, args.device, args.dtype, cfg, rounds=args.rounds,
+                    isolate=not args.no_isolate, threads=args.threads if cpu else None)
     name = "engine" + ("-quick" if args.quick else "") + (f"-{args.tag}" if args.tag else "")
     path = common.write_csv(rows, f"benchmarks/results/{name}.csv")
     print(common.markdown_table(rows))

@@ -10,8 +10,8 @@ loss = provider.forward_backward(seqs, loss_fn)  # adds d(sum_i loss_fn(i, logps
 with `loss_fn(i, logps_i, entropy_i)` the per-sequence loss of [`~trl_dta.DTAEngine.forward_backward`]. A training
 step is `forward_backward` followed by an optimizer step, timed together.
 
-Peak memory is measured per provider in a fresh process (`run_isolated` forks a child that has imported everything
-but run nothing), as the peak resident set above the resident set after the model and optimizer state were built
+Peak memory is measured per provider in a fresh process (`Worker` forks a child that has imported everything but run
+nothing), as the peak resident set above the resident set after the model and optimizer state were built
 (`/proc/self/status` VmHWM after a reset through `/proc/self/clear_refs`), or `torch.cuda.max_memory_allocated`
 above the allocation at the same point on GPU.
 """
@@ -24,10 +24,8 @@ import math
 import multiprocessing
 import os
 import sys
-import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -196,89 +194,115 @@ def _trim() -> None:
         pass
 
 
-# ---------------------------------------------------------------------------------------------------- timing
-
-
-@dataclass
-class Timing:
-    step_s: float  # fastest timed step (robust to interference from other processes on a shared machine)
-    median_s: float
-    steps: int
-    peak_mem_mb: float
-
-
-def time_steps(step: Callable[[], None], device: str, warmup: int = 1, iters: int = 2, min_time: float = 0.0) -> Timing:
-    """Run `step` `warmup` times, then at least `iters` times (and at least `min_time` seconds), and time it.
-
-    The reported step time is the fastest timed step: other processes only ever add time, so the minimum is the
-    best estimate of the method's own cost on a shared machine (the median is kept too).
-
-    The peak memory covers every call, warm-up included, from a baseline taken before the first one.
-    """
-    mem = PeakMemory(device)
-    mem.reset()
-    cuda = str(device).startswith("cuda")
-    for _ in range(warmup):
-        step()
-    times = []
-    start = time.perf_counter()
-    while len(times) < iters or time.perf_counter() - start < min_time:
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return Timing(step_s=times[0], median_s=times[len(times) // 2], steps=len(times), peak_mem_mb=mem.peak_mb())
-
-
 # ---------------------------------------------------------------------------------------------------- isolation
 
 
-def _child(conn, fn, args, kwargs):
+def _serve(conn, factory, args, kwargs):
+    """Child side of `Worker`: build the object, then answer method calls until told to stop."""
     try:
-        conn.send(("ok", fn(*args, **kwargs)))
+        obj = factory(*args, **kwargs)
+        conn.send(("ok", None))
     except BaseException as e:  # report any failure to the parent, with its traceback
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    finally:
         conn.close()
+        return
+    while True:
+        try:
+            name, call_args = conn.recv()
+        except EOFError:
+            break
+        if name is None:
+            break
+        try:
+            conn.send(("ok", getattr(obj, name)(*call_args)))
+        except BaseException as e:
+            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    conn.close()
+
+
+class Worker:
+    """An object living in a forked child process, driven by method calls from the parent.
+
+    Each benchmark run (one method on one workload) gets its own process, so that its peak memory is its own, and
+    several of them can stay alive side by side so that their steps can be interleaved (round-robin), which spreads
+    interference from other processes on a shared machine evenly over the methods. The parent must not have run any
+    torch computation before forking (OpenMP thread pools do not survive a fork); the child inherits the imported
+    modules, so no import time is paid per run. With `isolate=False` the object lives in-process (debugging).
+
+    Raises:
+        `RuntimeError`: with the child's traceback when construction or a call failed, or the child died or timed
+            out.
+    """
+
+    def __init__(self, factory: Callable, *args, isolate: bool = True, timeout: float | None = None, **kwargs):
+        self.isolate, self.timeout, self.proc, self.obj = isolate, timeout, None, None
+        if not isolate:
+            self.obj = factory(*args, **kwargs)
+            return
+        ctx = multiprocessing.get_context("fork")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, factory, args, kwargs), daemon=True)
+        self.proc.start()
+        child.close()
+        self._answer()
+
+    def _answer(self):
+        if not self.conn.poll(self.timeout):
+            self.close()
+            raise RuntimeError(f"benchmark worker timed out after {self.timeout} s")
+        try:
+            status, value = self.conn.recv()
+        except EOFError:
+            self.proc.join(1)
+            code = self.proc.exitcode
+            self.close()
+            raise RuntimeError(f"benchmark worker died (exit code {code}; -9 is usually out of memory)") from None
+        if status == "error":
+            self.close()
+            raise RuntimeError(value)
+        return value
+
+    def call(self, name: str, *args):
+        if not self.isolate:
+            return getattr(self.obj, name)(*args)
+        if self.proc is None:
+            raise RuntimeError("benchmark worker is closed")
+        self.conn.send((name, args))
+        return self._answer()
+
+    def close(self) -> None:
+        if self.proc is None:
+            self.obj = None
+            return
+        try:
+            self.conn.send((None, ()))
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
+        self.proc = None
 
 
 def run_isolated(fn: Callable, *args, isolate: bool = True, timeout: float | None = None, **kwargs):
-    """Run `fn(*args, **kwargs)` in a forked child process and return its (picklable) result.
-
-    The parent must not have run any torch computation before (OpenMP thread pools do not survive a fork); the
-    child inherits the imported modules, so that no import time is paid per run. With `isolate=False` it runs
-    in-process (for debugging).
-
-    Raises:
-        `RuntimeError`: with the child's traceback when it failed, was killed (e.g. out of memory) or timed out.
-    """
+    """Run `fn(*args, **kwargs)` in a forked child process (see [`Worker`]) and return its picklable result."""
     if not isolate:
         return fn(*args, **kwargs)
-    ctx = multiprocessing.get_context("fork")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(child, fn, args, kwargs))
-    proc.start()
-    child.close()
-    result = None
-    if parent.poll(timeout):
-        try:
-            result = parent.recv()
-        except EOFError:
-            result = None
-    proc.join(5 if result is not None else 0.1)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
-    if result is None:
-        raise RuntimeError(f"benchmark child died or timed out (exit code {proc.exitcode})")
-    status, value = result
-    if status == "error":
-        raise RuntimeError(value)
-    return value
+    worker = Worker(_Call, fn, args, kwargs, timeout=timeout)
+    try:
+        return worker.call("run")
+    finally:
+        worker.close()
+
+
+class _Call:
+    def __init__(self, fn, args, kwargs):
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+
+    def run(self):
+        return self.fn(*self.args, **self.kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------- results
@@ -310,7 +334,7 @@ def _fmt(value) -> str:
     if isinstance(value, float):
         if math.isnan(value):
             return ""
-        return f"{value:.4g}"
+        return f"{value:.6g}"
     return str(value)
 
 

@@ -19,6 +19,7 @@ Outputs: `benchmarks/results/<name>.csv` (columns `common.CSV_COLUMNS`), `<name>
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -82,8 +83,9 @@ def main(argv=None) -> None:
     p.add_argument("--sparse-attention", default="blocks", choices=["blocks", "mask"])
     p.add_argument("--dta-max-batch-tokens", type=int, default=8192)
     p.add_argument("--dta-lowmem-graph-tokens", type=int, default=1024)
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the methods (best step kept)")
-    p.add_argument("--iters", type=int, default=1, help="timed steps per process")
+    p.add_argument("--dta-max-pack-tokens", type=int, default=None, help="engine default when omitted")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="timed steps per method (interleaved across methods on CPU); the fastest is kept")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per run (default 1 on CPU: avoids OpenMP oversubscription on a shared machine)")
     p.add_argument("--name", default=None, help="results file name (default: quick / full)")
@@ -109,19 +111,19 @@ def main(argv=None) -> None:
         sparse_attention=args.sparse_attention,
         dta_max_batch_tokens=args.dta_max_batch_tokens,
         dta_lowmem_graph_tokens=args.dta_lowmem_graph_tokens,
+        dta_max_pack_tokens=args.dta_max_pack_tokens,
     )
     name = args.name or ("full" if full else "quick") + ("" if cpu else f"-{args.device}-{args.dtype}")
     start = time.perf_counter()
-    rows = run_grid(grid, methods, shape, args.device, args.dtype, cfg, iters=args.iters, rounds=args.rounds,
+    rows = run_grid(grid, methods, shape, args.device, args.dtype, cfg, rounds=args.rounds,
                     isolate=not args.no_isolate, threads=threads)
     elapsed = time.perf_counter() - start
     csv_path = common.write_csv(rows, RESULTS / f"{name}.csv")
     png_path = common.plot(csv_path)
     table = common.markdown_table(rows)
-    header = (
-        f"`python -m benchmarks.run {' '.join(argv) if argv is not None else ''}`".replace(" `", "`")
-        + f": model {shape}, {args.device}, {args.dtype}, threads {threads}, {elapsed / 60:.1f} min"
-    )
+    command = " ".join(["python -m benchmarks.run", *(sys.argv[1:] if argv is None else argv)])
+    header = f"`{command}`: model {shape}, {args.device}, {args.dtype}, threads {threads}, {elapsed / 60:.1f} min"
+
     md = f"{header}\n\n{table}\n\n{targets_table(rows)}\n"
     (RESULTS / f"{name}.md").write_text(md)
     print(md)

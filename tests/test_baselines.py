@@ -158,3 +158,24 @@ def test_micro_batches_respect_budget_and_cover_batch():
         tree = PrefixTree.from_sequences([seqs[i] for i in p])
         assert tree.n_tree_tokens <= 25 or len(p) == 1
     assert micro_batches(seqs, None) == [list(range(len(seqs)))]
+
+
+def test_workloads_have_the_documented_sharing():
+    from benchmarks import workloads
+
+    P, G, R = 64, 8, 32
+    w = workloads.grpo(P, G, R, n_prompts=2, vocab_size=500)
+    tree = w.tree()
+    assert tree.compression_ratio == pytest.approx(G * (P + R) / (P + G * R))
+    assert tree.n_leaves == 2 * G
+    mt = workloads.multi_turn(scale=0.125, vocab_size=500)
+    tree = mt.tree()
+    # one shared system prompt; per task: task prompt + the shared first turn (one segment), then 2 + 4 + 8 turns
+    assert tree.n_segments == 1 + 2 * (1 + 2 + 4 + 8)
+    assert 8.5 < tree.compression_ratio < 10
+    assert 2.5 < workloads.multi_turn_3x(scale=0.125, vocab_size=500).tree().compression_ratio < 3.5
+    assert workloads.no_sharing(4, 16, vocab_size=500).tree().compression_ratio == 1.0
+    # seeded: the same call gives the same tokens
+    assert all(torch.equal(a, b) for a, b in zip(mt.seqs, workloads.multi_turn(scale=0.125, vocab_size=500).seqs))
+    with pytest.raises(ValueError, match="distinct"):
+        workloads.multi_turn(turns=2, distinct=(2, 3), group=4)

@@ -36,6 +36,10 @@ def test_input_ids_jsonl(tmp_path, capsys):
     assert result["compression_ratio"] == pytest.approx(tree.compression_ratio)
     assert result["ideal_speedup"] == pytest.approx(ideal_ratio(tree, "qwen2-0.5b"))
     assert result["predicted_speedup"] == pytest.approx(result["ideal_speedup"] * result["fraction_of_ideal"])
+    # no sharing: the trainers fall back to the dense path, so no slow-down is predicted
+    plain = analyze([[i, 5, 6, 7] for i in range(4)], fraction_of_ideal=0.5)
+    assert plain["ideal_speedup"] == pytest.approx(1.0)
+    assert plain["predicted_speedup"] == 1.0
     assert result["max_segments_depth"] == 2
     assert result["balance"] is None
 

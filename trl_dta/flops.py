@@ -121,7 +121,8 @@ class ModelShape:
         """Forward matmul FLOPs of all layers' projections and MLPs for one token."""
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
-        per_layer = 2 * self.hidden_size * (q + 2 * kv) + 2 * q * self.hidden_size + 6 * self.hidden_size * self.intermediate_size
+        h = self.hidden_size
+        per_layer = 2 * h * (q + 2 * kv) + 2 * q * h + 6 * h * self.intermediate_size
         return self.num_layers * per_layer
 
     @property
