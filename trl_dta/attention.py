@@ -22,7 +22,6 @@ Backends: SDPA (CPU and GPU, GQA through `enable_gqa`), and an explicit softmax 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -184,5 +183,3 @@ def register() -> str:
         _REGISTERED = True
     return ATTN_IMPLEMENTATION
 
-
-AttentionFn = Callable[..., tuple[torch.Tensor, None]]

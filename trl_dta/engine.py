@@ -365,7 +365,8 @@ class _Walk:
 
     def run(self) -> DTAOutput:
         t0 = time.perf_counter()
-        self.e._check_training_mode(self.lm) if self.train else None
+        if self.train:
+            self.e._check_training_mode(self.lm)
         with self.e._dta_mode(self.lm), torch.set_grad_enabled(self.train):
             todo: list[tuple[str, int]] = [("children", -1)]
             while todo:

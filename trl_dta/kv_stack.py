@@ -16,7 +16,7 @@ gradients of many descendants are summed in float32 (the attention casts them ba
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -34,11 +34,6 @@ class Frame:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     length: int
-    extra: dict = field(default_factory=dict)
-
-    def grads(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
-        """Accumulated gradients of the keys and values (None where nothing flowed in)."""
-        return [k.grad for k in self.keys], [v.grad for v in self.values]
 
 
 class KVStack:
