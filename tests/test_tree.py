@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -124,3 +125,81 @@ def test_errors():
         PrefixTree.from_padded(torch.zeros(3, dtype=torch.long))
     empty = PrefixTree.from_sequences([])
     assert empty.n_sequences == 0 and empty.compression_ratio == 1.0
+
+
+# ---------------------------------------------------------------------------------------------- input validation
+
+_IDS = torch.tensor([[0, 5, 6], [7, 8, 9]])
+_MASK = torch.tensor([[0, 1, 1], [1, 1, 1]])
+
+# (builder, arguments, expected error, text the message must contain)
+BAD_INPUTS = [
+    ("from_sequences", ("abc",), TypeError, "seqs"),
+    ("from_sequences", (None,), TypeError, "seqs"),
+    ("from_sequences", (3,), TypeError, "seqs"),
+    ("from_sequences", ({0: [1]},), TypeError, "seqs"),
+    ("from_sequences", ({(1, 2)},), TypeError, "seqs"),
+    ("from_sequences", (np.zeros((2, 3), dtype=np.int64),), TypeError, "from_padded"),
+    ("from_sequences", ([[1, 2.0]],), TypeError, r"seqs\[0\]\[1\]"),
+    ("from_sequences", ([[1, 2], [False]],), TypeError, r"seqs\[1\]\[0\]"),
+    ("from_sequences", ([[1, [2]]],), TypeError, r"seqs\[0\]\[1\]"),
+    ("from_sequences", ([1, 2],), TypeError, r"seqs\[0\]"),
+    ("from_sequences", (["hello"],), TypeError, r"seqs\[0\]"),
+    ("from_sequences", ([torch.tensor([1.0, 2.0])],), TypeError, "dtype"),
+    ("from_sequences", ([torch.tensor([True])],), TypeError, "dtype"),
+    ("from_sequences", ([np.array([1.5])],), TypeError, "dtype"),
+    ("from_sequences", ([np.zeros((1, 2), dtype=np.int64)],), ValueError, "1-D"),
+    ("from_sequences", ([torch.zeros(2, dtype=torch.long, device="meta")],), ValueError, "meta"),
+    ("from_sequences", ([[3, -100]],), ValueError, "negative"),
+    ("from_padded", (_IDS.tolist(),), TypeError, "input_ids"),
+    ("from_padded", (_IDS.numpy(),), TypeError, "input_ids"),
+    ("from_padded", (_IDS.float(),), TypeError, "input_ids"),
+    ("from_padded", (_IDS.bool(),), TypeError, "input_ids"),
+    ("from_padded", (_IDS[0],), ValueError, "input_ids"),
+    ("from_padded", (_IDS[None],), ValueError, "input_ids"),
+    ("from_padded", (_IDS.to("meta"),), ValueError, "meta"),
+    ("from_padded", (_IDS, _MASK.tolist()), TypeError, "attention_mask"),
+    ("from_padded", (_IDS, _MASK.float()), TypeError, "attention_mask"),
+    ("from_padded", (_IDS, _MASK[:, 1:]), ValueError, "attention_mask"),
+    ("from_padded", (_IDS, _MASK * 2), ValueError, "attention_mask"),
+    ("from_padded", (_IDS - 8, _MASK), ValueError, "negative"),
+]
+
+
+@pytest.mark.parametrize("builder, args, error, text", BAD_INPUTS)
+def test_bad_inputs_refused(builder, args, error, text):
+    with pytest.raises(error, match=text):
+        getattr(PrefixTree, builder)(*args)
+
+
+@pytest.mark.parametrize(
+    "seqs",
+    [
+        ([5, 6], [5, 7], []),
+        (s for s in ([5, 6], [5, 7], [])),
+        [np.array([5, 6], dtype=np.uint8), np.array([5, 7], dtype=np.int32), np.array([], dtype=np.int64)],
+        [torch.tensor([5, 6], dtype=torch.int16), torch.tensor([5, 7]), torch.tensor([], dtype=torch.long)],
+        [[np.int64(5), torch.tensor(6)], (5, 7), range(0)],
+    ],
+    ids=["tuple", "generator", "numpy", "tensors", "scalars"],
+)
+def test_accepted_forms_build_the_same_tree(seqs):
+    tree = PrefixTree.from_sequences(seqs)
+    assert [s.tolist() for s in tree.seqs] == [[5, 6], [5, 7], []]
+    assert all(s.dtype == torch.long for s in tree.seqs)
+    assert tree.n_tree_tokens == 3
+
+
+def test_from_padded_bool_mask_equals_integer_mask():
+    a = PrefixTree.from_padded(_IDS, _MASK)
+    b = PrefixTree.from_padded(_IDS, _MASK.bool())
+    assert [s.tolist() for s in a.seqs] == [s.tolist() for s in b.seqs] == [[5, 6], [7, 8, 9]]
+
+
+def test_subtree_reduce():
+    tree = PrefixTree.from_sequences([[1, 2, 3], [1, 2, 4, 5], [1], [6]])
+    # segments in pre-order: [1] (seq 2 ends), [2], [3], [4 5], [6]
+    assert tree.subtree_tokens() == [5, 4, 1, 2, 1]
+    assert tree.subtree_segments() == [4, 3, 1, 1, 1]
+    depth_min = tree.subtree_reduce([s.start for s in tree.segments], min)
+    assert all(depth_min[s.index] == s.start for s in tree.segments)  # children are deeper than their parents

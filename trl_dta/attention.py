@@ -125,8 +125,11 @@ def dta_attention(
     """
     if dta_ctx is None:
         raise RuntimeError(
-            f"the '{ATTN_IMPLEMENTATION}' attention implementation only runs inside DTAEngine; the model was called "
-            "without an engine context. Restore the model's attention implementation (e.g. 'sdpa')."
+            f"the model reached the '{ATTN_IMPLEMENTATION}' attention without a DTAEngine context. DTAEngine switches the "
+            "model's attention to DTA for the duration of an engine call, so this forward of the model ran during "
+            "an engine call (from inside `loss_fn`, or from another thread): run other forwards of the model before "
+            "or after the engine call, not inside `loss_fn` or concurrently. (If you set "
+            f"attn_implementation='{ATTN_IMPLEMENTATION}' yourself, use 'sdpa' or 'eager' instead.)"
         )
     if dropout:
         raise ValueError(

@@ -8,10 +8,11 @@ frame:        f0 (root, 600 tok)   f1 (turn 1, 120 tok)   f2 (turn 2, 80 tok)
 keys[l]:      (1, H_kv, 600, D)    (1, H_kv, 120, D)      (1, H_kv, 80, D)     -> prefix(l): (1, H_kv, 800, D)
 ```
 
-In training the frame tensors are autograd *leaves* (detached, `requires_grad=True`): every descendant's backward
-accumulates its gradient into `frame.keys[l].grad`, and when the frame is popped the engine injects that sum as the
-incoming gradient of the segment's own graph. For half-precision models the leaves are kept in float32, so the
-gradients of many descendants are summed in float32 (the attention casts them back to the compute dtype).
+In training the frame tensors are *gradient sinks* (detached copies with `requires_grad=True`, autograd leaf tensors):
+every descendant's backward accumulates its gradient into `frame.keys[l].grad`, and when the frame is popped the
+engine injects that sum as the incoming gradient of the segment's own graph. For half-precision models the sinks are
+kept in float32, so the gradients of many descendants are summed in float32 (the attention casts them back to the
+compute dtype).
 """
 
 from __future__ import annotations

@@ -21,11 +21,14 @@ suffix-tree-from-LCP-array construction). No Python object is created per token.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from ._checks import is_int
 
 
 @dataclass
@@ -57,14 +60,51 @@ class Segment:
         return self.end - self.start
 
 
-def _as_int_list(seq) -> list[int]:
+def _as_int_list(seq, i: int) -> list[int]:
+    """Token ids of sequence `i` as a list of Python ints; refuses anything that is not a 1-D run of integer ids."""
+    name = f"seqs[{i}]"
+    where = f"`{name}`"
     if isinstance(seq, torch.Tensor):
         if seq.dim() != 1:
-            raise ValueError(f"each sequence must be a 1-D tensor of token ids, got shape {tuple(seq.shape)}")
-        return seq.tolist()
-    if isinstance(seq, np.ndarray):
-        return seq.astype(np.int64).tolist()
-    return [int(t) for t in seq]
+            raise ValueError(f"{where} must be a 1-D tensor of token ids, got shape {tuple(seq.shape)}.")
+        if seq.is_floating_point() or seq.is_complex() or seq.dtype == torch.bool:
+            raise TypeError(f"{where} must hold integer token ids, got dtype {seq.dtype}; pass `.long()` token ids.")
+        if seq.device.type == "meta":
+            raise ValueError(f"{where} is on the meta device (it holds no token ids); pass a tensor with data.")
+        ids = seq.tolist()
+    elif isinstance(seq, np.ndarray):
+        if seq.ndim != 1:
+            raise ValueError(f"{where} must be a 1-D array of token ids, got shape {seq.shape}.")
+        if seq.dtype.kind not in "iu":
+            raise TypeError(f"{where} must hold integer token ids, got dtype {seq.dtype}.")
+        ids = seq.tolist()
+    elif isinstance(seq, (str, bytes)) or not isinstance(seq, Iterable):
+        raise TypeError(
+            f"{where} must be a list of token ids or a 1-D integer tensor, got {type(seq).__name__}; tokenize text "
+            "first."
+        )
+    else:
+        ids = list(seq)
+        if not all(type(t) is int for t in ids):
+            for j, t in enumerate(ids):
+                if not is_int(t):
+                    raise TypeError(f"`{name}[{j}]` must be an integer token id, got {t!r} of type {type(t).__name__}.")
+            ids = [int(t) for t in ids]
+    if ids and min(ids) < 0:
+        raise ValueError(f"{where} has a negative token id ({min(ids)}); token ids are indices into the vocabulary.")
+    return ids
+
+
+def _check_ids_tensor(name: str, ids, ndim: int, shape: str) -> None:
+    """Refuse anything but an integer token-id tensor of `ndim` dimensions, naming `name`."""
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"`{name}` must be a torch.Tensor of shape {shape}, got {type(ids).__name__}.")
+    if ids.dim() != ndim:
+        raise ValueError(f"`{name}` must have shape {shape}, got {tuple(ids.shape)}.")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"`{name}` must hold integer token ids, got dtype {ids.dtype}; pass `.long()` token ids.")
+    if ids.device.type == "meta":
+        raise ValueError(f"`{name}` is on the meta device (it holds no token ids); pass a tensor with data.")
 
 
 def _lcp(a: np.ndarray, b: np.ndarray) -> int:
@@ -161,14 +201,28 @@ class PrefixTree:
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def from_sequences(cls, seqs: Sequence[Sequence[int] | torch.Tensor]) -> PrefixTree:
-        """Build the tree from sequences of token ids (lists of ints or 1-D integer tensors)."""
-        if isinstance(seqs, torch.Tensor):
+    def from_sequences(cls, seqs: Iterable[Sequence[int] | torch.Tensor | np.ndarray]) -> PrefixTree:
+        """Build the tree from sequences of token ids.
+
+        Args:
+            seqs (iterable of `list[int]`, 1-D integer `torch.Tensor` or 1-D integer `np.ndarray`): the sequences,
+                `(len_i,)` each, in any order and on any device (the tree keeps a CPU copy). Any iterable of them is
+                accepted (a list, a tuple, a generator); a 2-D tensor or array is refused (its padding would count as
+                tokens: use [`PrefixTree.from_padded`]), and so are unordered containers (sets, dicts), text, floats,
+                booleans and negative ids.
+        """
+        if isinstance(seqs, (torch.Tensor, np.ndarray)):
             raise TypeError(
-                "`seqs` must be a list of sequences; for a padded 2-D batch use `PrefixTree.from_padded(input_ids, "
-                "attention_mask)`."
+                "`seqs` must be a list of sequences, got a padded 2-D batch; use `PrefixTree.from_padded(input_ids, "
+                "attention_mask)` so that padding is not counted as tokens."
             )
-        token_lists = [_as_int_list(s) for s in seqs]
+        if isinstance(seqs, (str, bytes, Mapping, Set)) or not isinstance(seqs, Iterable):
+            raise TypeError(
+                f"`seqs` must be an ordered iterable (list, tuple, generator) of token-id sequences, got "
+                f"{type(seqs).__name__}."
+            )
+        seqs = list(seqs)
+        token_lists = [_as_int_list(s, i) for i, s in enumerate(seqs)]
         tensors = [
             s.detach().to("cpu", torch.long) if isinstance(s, torch.Tensor) else torch.tensor(t, dtype=torch.long)
             for s, t in zip(seqs, token_lists)
@@ -180,22 +234,34 @@ class PrefixTree:
         """Build the tree from a padded batch.
 
         Args:
-            input_ids (`torch.LongTensor` of shape `(batch, seq_len)`): token ids, left- or right-padded (or both, as in
-                TRL's left-padded prompt followed by a right-padded completion).
-            attention_mask (`torch.Tensor` of shape `(batch, seq_len)`, *optional*): 1 for real tokens. The real tokens
-                of each row, in order, form that row's sequence. Without a mask every position is real.
+            input_ids (`torch.LongTensor` of shape `(batch, seq_len)`): integer token ids, left- or right-padded (or
+                both, as in TRL's left-padded prompt followed by a right-padded completion).
+            attention_mask (`torch.Tensor` of shape `(batch, seq_len)`, *optional*): bool or integer, 1 for real
+                tokens and 0 for padding. The real tokens of each row, in order, form that row's sequence. Without a
+                mask every position is real.
         """
-        if input_ids.dim() != 2:
-            raise ValueError(f"`input_ids` must have shape (batch, seq_len), got {tuple(input_ids.shape)}")
+        _check_ids_tensor("input_ids", input_ids, 2, "(batch, seq_len)")
         if attention_mask is None:
             return cls.from_sequences(list(input_ids.cpu()))
+        if not isinstance(attention_mask, torch.Tensor):
+            raise TypeError(
+                f"`attention_mask` must be a torch.Tensor of shape {tuple(input_ids.shape)} or None, got "
+                f"{type(attention_mask).__name__}."
+            )
         if attention_mask.shape != input_ids.shape:
             raise ValueError(
                 f"`attention_mask` shape {tuple(attention_mask.shape)} must equal `input_ids` shape "
-                f"{tuple(input_ids.shape)}"
+                f"{tuple(input_ids.shape)}."
             )
-        ids, mask = input_ids.cpu(), attention_mask.cpu().bool()
-        return cls.from_sequences([row[m] for row, m in zip(ids, mask)])
+        if attention_mask.is_floating_point() or attention_mask.is_complex():
+            raise TypeError(
+                f"`attention_mask` must be a bool or integer tensor of 0/1, got dtype {attention_mask.dtype}; pass "
+                "`attention_mask.long()` if it holds exact 0/1 values."
+            )
+        ids, mask = input_ids.cpu(), attention_mask.cpu()
+        if mask.dtype != torch.bool and bool(((mask != 0) & (mask != 1)).any()):
+            raise ValueError("`attention_mask` must hold only 0 (padding) and 1 (real token).")
+        return cls.from_sequences([row[m] for row, m in zip(ids, mask.bool())])
 
     # ------------------------------------------------------------------ statistics
 
@@ -279,13 +345,30 @@ class PrefixTree:
         parts = [self.tokens(s.index) for s in self.segments]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
-    def subtree_tokens(self) -> list[int]:
-        """Tree tokens in each segment's subtree (itself included)."""
-        size = [s.length for s in self.segments]
-        for seg in reversed(self.segments):  # children after parents in pre-order
+    def subtree_reduce(self, values: Sequence, op: Callable = operator.add) -> list:
+        """Fold a per-segment value over every subtree: `out[s] = op(values[s], out[c] for each child c)`.
+
+        One reverse pre-order pass (children come after their parent, so each child is final before it is folded
+        into its parent). `op=operator.add` sums (tokens, segments), `op=min` takes the minimum.
+
+        Args:
+            values (`Sequence`): one value per segment, `(n_segments,)`.
+            op (`Callable`, *optional*, defaults to `operator.add`): associative combination of two values.
+        """
+        out = list(values)
+        for seg in reversed(self.segments):
             if seg.parent >= 0:
-                size[seg.parent] += size[seg.index]
-        return size
+                out[seg.parent] = op(out[seg.parent], out[seg.index])
+        return out
+
+    def subtree_tokens(self) -> list[int]:
+        """Tree tokens in each segment's subtree (itself included), `(n_segments,)`."""
+        return self.subtree_reduce([s.length for s in self.segments])
+
+    def subtree_segments(self) -> list[int]:
+        """Segments in each segment's subtree (itself included), `(n_segments,)`: the subtree of `s` is the pre-order
+        range `s .. s + subtree_segments()[s] - 1`."""
+        return self.subtree_reduce([1] * len(self.segments))
 
     def __repr__(self) -> str:
         return (

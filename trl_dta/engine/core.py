@@ -1,0 +1,318 @@
+"""`DTAEngine`: the public entry points, their argument checks, and the model switch around each call.
+
+An engine call (1) validates every argument before any forward, (2) builds the [`PrefixTree`] and the [`ScorePlan`],
+(3) takes the model for itself (one engine call per model at a time) and routes its attention to DTA, and (4) runs a
+[`TreeWalk`], whose counters become `DTAOutput.stats` and `engine.last_stats`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence, Set
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import _checks, attention
+from ..lm_head import HeadSpec
+from ..tree import PrefixTree
+from .plan import ScorePlan
+from .schedule import Budgets
+from .walk import LossFn, TreeWalk
+
+# Model families whose equivalence with the dense path is covered by the test suite. Others run if their attention
+# goes through transformers' AttentionInterface (checked on every forward), with a one-time warning.
+TESTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "gemma3", "phi3"})
+_DROPOUT_FIX = "Set the dropout probabilities to 0 or call model.eval()."
+
+# One engine call per model at a time: id(causal LM) -> ident of the thread running a call on it.
+_CALLS: dict[int, int] = {}
+_CALLS_LOCK = threading.Lock()
+
+
+@dataclass
+class DTAOutput:
+    """Result of an engine call.
+
+    Args:
+        loss (`torch.Tensor`, *optional*): detached sum of the `loss_fn` values (None for `logprobs`).
+        logps (`list[torch.Tensor]`): per sequence, detached, shape `(n_scored_i,)` (`(len_i - 1,)` by default).
+        entropies (`list[torch.Tensor]`, *optional*): per sequence, same shapes, when asked.
+        stats (`dict`): tree shape and work done (see [`DTAEngine`]).
+    """
+
+    loss: torch.Tensor | None
+    logps: list[torch.Tensor]
+    entropies: list[torch.Tensor] | None
+    stats: dict = field(default_factory=dict)
+
+
+def _causal_lm(model):
+    """The transformers causal LM inside `model` (unwraps a PEFT model; its LoRA layers stay active)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"`model` must be a transformers causal LM (or a PEFT model), got {type(model).__name__}.")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not hasattr(base, "get_output_embeddings") or base.get_output_embeddings() is None:
+        raise TypeError(f"{type(base).__name__} has no output embeddings: DTAEngine needs a causal language model.")
+    return base
+
+
+def _rope_kinds(config) -> list[dict]:
+    """The RoPE parameter dicts of `config` (one per layer type for models with several)."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return list(rope.values()) if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]
+
+
+def _position_table(lm) -> tuple[str, int] | None:
+    """`(name, positions)` of a learned absolute position embedding of fixed size, if the model has one."""
+    inputs = lm.get_input_embeddings()
+    for name, module in lm.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, torch.nn.Embedding) and module is not inputs and ("pos" in leaf or leaf == "wpe"):
+            return name, module.num_embeddings - getattr(module, "offset", 0)
+    return None
+
+
+class DTAEngine:
+    """Dynamic Tree Attention over a Hugging Face decoder-only causal LM.
+
+    Args:
+        model (`transformers.PreTrainedModel` or `peft.PeftModel`): the policy. Its attention implementation is switched
+            to the engine's only during engine calls; HF gradient checkpointing is suspended during them too (the
+            engine's own recompute replaces it). One engine call per model at a time: a second call on the same model
+            while one runs (from `loss_fn`, or from another thread) raises a `RuntimeError`, and so does any other
+            forward of the model during a call (run it before or after).
+        block_size (`int`, *optional*, defaults to `1024`): tokens per re-forward block in recompute mode.
+        max_batch_tokens (`int`, *optional*, defaults to `8192`): padded-token budget of one batched forward of rows
+            (sibling leaves and packed subtrees).
+        max_graph_tokens (`int`, *optional*): memory budget, in tokens of kept autograd graph (the path's kept segments
+            plus the running forward). A segment that would exceed it is recomputed in blocks. None keeps every graph
+            (fastest: no token is forwarded twice). With `0`, the live graph never exceeds `block_size` tokens (or one
+            sibling leaf).
+        max_pack_tokens (`int`, *optional*, defaults to `1024`): a subtree of at most this many tokens (and at most
+            `max_batch_tokens`) is not walked segment by segment but packed into one row of a batched forward (its
+            tokens at their depths, a tree mask inside the row): one forward and one backward instead of one per
+            segment, at the price of attention over the whole row (`O(n^2)` for `n` packed tokens). Leaves are always
+            batched. `0` walks every internal segment.
+        lm_head_chunk_size (`int`, *optional*, defaults to `4096`): rows projected through the LM head at once.
+
+    Stats of the last call (`engine.last_stats`, also `DTAOutput.stats`): `sequences`, `tokens`, `tree_tokens`,
+    `compression_ratio`, `forward_tokens` (real tokens forwarded, recompute included), `padded_tokens` (with row
+    padding), `recomputed_tokens`, `scored_positions` (rows projected through the LM head), `peak_graph_tokens`,
+    `forwards`, `backwards`, `seconds`.
+    """
+
+    def __init__(self, model, *, block_size: int = 1024, max_batch_tokens: int = 8192,
+                 max_graph_tokens: int | None = None, max_pack_tokens: int = 1024, lm_head_chunk_size: int = 4096):
+        self.block_size = _checks.check_int("block_size", block_size, minimum=1)
+        self.max_batch_tokens = _checks.check_int("max_batch_tokens", max_batch_tokens, minimum=1)
+        self.max_graph_tokens = _checks.check_int("max_graph_tokens", max_graph_tokens, minimum=0, allow_none=True)
+        self.max_pack_tokens = _checks.check_int("max_pack_tokens", max_pack_tokens, minimum=0)
+        self.lm_head_chunk_size = _checks.check_int("lm_head_chunk_size", lm_head_chunk_size, minimum=1)
+        self.model = model
+        self.last_stats: dict = {}
+        lm = _causal_lm(model)
+        if getattr(lm.config, "is_encoder_decoder", False):
+            raise TypeError("DTAEngine supports decoder-only causal LMs, not encoder-decoder models.")
+        self._config = lm.config.get_text_config()
+        self._check_config(self._config)
+        HeadSpec.from_model(lm)  # refuses unsupported logit post-processing before any call
+        self.n_layers = self._config.num_hidden_layers
+        attention.register()
+
+    @staticmethod
+    def _check_config(config) -> None:
+        model_type = getattr(config, "model_type", "?")
+        if model_type not in TESTED_MODEL_TYPES:
+            _checks.warn_once(
+                f"type:{model_type}",
+                f"DTAEngine: model type '{model_type}' is not among the tested families {sorted(TESTED_MODEL_TYPES)}; "
+                "it runs if its attention layers use transformers' AttentionInterface.",
+            )
+        for p in _rope_kinds(config):
+            kind = (p or {}).get("rope_type", (p or {}).get("type"))
+            if kind == "dynamic":
+                raise NotImplementedError(
+                    f"rope_type '{kind}' rescales positions from the length of each forward call, so a prefix and its "
+                    "continuation would use different frequencies; DTA cannot reproduce the dense result. Use a model "
+                    "with static RoPE scaling."
+                )
+
+    # ------------------------------------------------------------------ public API
+
+    @torch.no_grad()
+    def logprobs(self, seqs: Iterable | PrefixTree, *, temperature: float = 1.0, entropy: bool = False,
+                 n_scored: int | Sequence[int] | None = None) -> DTAOutput:
+        """Per-sequence next-token log-probs (and entropies), without grad.
+
+        Args:
+            seqs (iterable of `torch.LongTensor | list[int]`, or `PrefixTree`): the sequences (see
+                [`PrefixTree.from_sequences`] for what is accepted; for a padded batch pass
+                `PrefixTree.from_padded(input_ids, attention_mask)`).
+            temperature (`float`, *optional*, defaults to `1.0`): logits are divided by it (finite, > 0).
+            entropy (`bool`, *optional*, defaults to `False`): also return the entropies.
+            n_scored (`int` or `list[int]`, *optional*): how many trailing log-probs each sequence needs (TRL's
+                `logits_to_keep`, per sequence: the completion length), clipped to `len_i - 1`. Positions no sequence
+                needs are never projected through the LM head. None scores all `len_i - 1` positions.
+
+        Returns:
+            [`DTAOutput`] with `logps[i][t - 1] = log p(s_i[t] | s_i[:t])` for `t = 1 .. len_i - 1` (only the last
+            `n_scored[i]` of them when given).
+        """
+        return self._call(seqs, None, temperature, entropy, n_scored)
+
+    def forward_backward(self, seqs: Iterable | PrefixTree, loss_fn: LossFn, *, temperature: float = 1.0,
+                         entropy: bool = False, n_scored: int | Sequence[int] | None = None) -> DTAOutput:
+        """Run `sum_i loss_fn(i, logps_i, entropy_i)` forward and backward through the tree.
+
+        Afterwards every parameter's `.grad` has been increased by exactly what
+        `sum_i loss_fn(i, dense_logps_i, dense_entropy_i).backward()` would add.
+
+        Args:
+            seqs (iterable of `torch.LongTensor | list[int]`, or `PrefixTree`): the sequences.
+            loss_fn (`Callable[[int, Tensor, Tensor | None], Tensor]`): scalar loss of sequence `i` from its log-probs
+                `(n_scored_i,)` and entropies (or None); any differentiable function of the whole vectors, on the
+                model's device. It must not call the model or the engine (the model is in DTA mode during the call).
+            temperature (`float`, *optional*, defaults to `1.0`): logits are divided by it (finite, > 0).
+            entropy (`bool`, *optional*, defaults to `False`): compute entropies and pass them to `loss_fn`.
+            n_scored (`int` or `list[int]`, *optional*): as in [`~DTAEngine.logprobs`]; `loss_fn` then receives the
+                last `n_scored[i]` log-probs of sequence `i`.
+
+        Returns:
+            [`DTAOutput`] with the detached total loss and per-sequence log-probs (and entropies).
+        """
+        if not callable(loss_fn):
+            raise TypeError(
+                f"`loss_fn` must be a callable (i, logps_i, entropy_i) -> scalar tensor, got {type(loss_fn).__name__}."
+            )
+        return self._call(seqs, loss_fn, temperature, entropy, n_scored)
+
+    # ------------------------------------------------------------------ one call
+
+    def _call(self, seqs, loss_fn: LossFn | None, temperature, entropy, n_scored) -> DTAOutput:
+        t0 = time.perf_counter()
+        temperature = _checks.check_float("temperature", temperature, minimum=0.0, exclusive=True)
+        entropy = _checks.check_bool("entropy", entropy)
+        lm = _causal_lm(self.model)
+        tree = self._tree(seqs, lm)
+        plan = ScorePlan(tree, _n_scored(tree, n_scored))
+        if loss_fn is not None:
+            _checks.check_no_dropout(lm, fix=_DROPOUT_FIX)
+        budgets = Budgets(self.block_size, self.max_batch_tokens, self.max_graph_tokens, self.max_pack_tokens,
+                          self.lm_head_chunk_size)
+        with _engine_call(lm):
+            result = TreeWalk(lm, self.n_layers, tree, plan, budgets, loss_fn, temperature, entropy).run()
+        stats = {**result.stats, "sequences": tree.n_sequences, "tokens": tree.n_tokens,
+                 "tree_tokens": tree.n_tree_tokens, "compression_ratio": tree.compression_ratio,
+                 "seconds": time.perf_counter() - t0}
+        self.last_stats = dict(stats)
+        return DTAOutput(result.loss, result.logps, result.entropies, stats)
+
+    def _tree(self, seqs, lm) -> PrefixTree:
+        """The batch as a tree, refused before any forward if the dense model could not run it."""
+        if not isinstance(seqs, PrefixTree):
+            seqs = PrefixTree.from_sequences(seqs)
+        tree = seqs
+        if tree.n_sequences == 0:
+            raise ValueError("`seqs` is empty: pass at least one sequence.")
+        vocab = self._config.vocab_size
+        for i, s in enumerate(tree.seqs):
+            if len(s) and (int(s.min()) < 0 or int(s.max()) >= vocab):
+                raise ValueError(f"`seqs[{i}]` has token ids outside [0, {vocab}) (the model's vocab_size).")
+        self._check_lengths(tree, lm)
+        return tree
+
+    def _check_lengths(self, tree: PrefixTree, lm) -> None:
+        """Refuse lengths only where the dense model is limited too: RoPE models run past `max_position_embeddings`."""
+        longest = max(range(tree.n_sequences), key=tree.lengths.__getitem__)
+        n = tree.lengths[longest]
+        table = _position_table(lm)
+        if table is not None and n > table[1]:
+            raise ValueError(
+                f"`seqs[{longest}]` has {n} tokens, but the model's learned position embeddings (`{table[0]}`) hold "
+                f"{table[1]} positions, so the dense model cannot run it either; truncate the sequences (in TRL: "
+                "shorter prompts or `max_completion_length`)."
+            )
+        for p in _rope_kinds(self._config):
+            limit = (p or {}).get("original_max_position_embeddings")
+            if (p or {}).get("rope_type") == "longrope" and limit is not None and n > limit:
+                raise NotImplementedError(
+                    f"`seqs[{longest}]` has {n} tokens, more than original_max_position_embeddings ({limit}) of this "
+                    "longrope model: its RoPE switches frequencies by the longest position of each forward call, so a "
+                    "shared prefix would be rotated differently than in the dense run of the longer sequence. Keep "
+                    f"sequences within {limit} tokens."
+                )
+
+
+def _n_scored(tree: PrefixTree, n_scored) -> list[int]:
+    """Per-sequence number of trailing log-probs, checked and clipped to `len_i - 1`."""
+    lengths = tree.lengths
+    if n_scored is None:
+        return [max(n - 1, 0) for n in lengths]
+    if _checks.is_int(n_scored):
+        n_scored = [_checks.check_int("n_scored", n_scored, minimum=0)] * len(lengths)
+    elif isinstance(n_scored, (str, bytes, Mapping, Set)) or not isinstance(n_scored, Iterable):
+        raise TypeError(
+            f"`n_scored` must be None, an integer or one integer per sequence, got {type(n_scored).__name__}."
+        )
+    else:
+        if isinstance(n_scored, torch.Tensor) and n_scored.dim() != 1:
+            raise ValueError(f"`n_scored` must be 1-D (one entry per sequence), got shape {tuple(n_scored.shape)}.")
+        n_scored = [_checks.check_int(f"n_scored[{i}]", n, minimum=0) for i, n in enumerate(n_scored)]
+    if len(n_scored) != len(lengths):
+        raise ValueError(f"`n_scored` has {len(n_scored)} entries for {len(lengths)} sequences; pass one per sequence.")
+    return [min(n, max(length - 1, 0)) for n, length in zip(n_scored, lengths)]
+
+
+@contextlib.contextmanager
+def _engine_call(lm):
+    """Hold `lm` for one engine call: refuse a second call on it, route its attention through DTA and suspend HF
+    gradient checkpointing, restoring everything on exit."""
+    key, me = id(lm), threading.get_ident()
+    with _CALLS_LOCK:
+        owner = _CALLS.get(key)
+        if owner is None:
+            _CALLS[key] = me
+    if owner is not None:
+        where = "in this thread (a `loss_fn` that calls the engine?)" if owner == me else "in another thread"
+        raise RuntimeError(
+            f"DTAEngine: an engine call on this model is already running {where}. Only one engine call per model "
+            "runs at a time, because the model's attention is switched to DTA for the duration of a call; call the "
+            "engine again after the running call returns, or give each thread its own model."
+        )
+    try:
+        with _dta_attention(lm):
+            yield
+    finally:
+        with _CALLS_LOCK:
+            del _CALLS[key]
+
+
+@contextlib.contextmanager
+def _dta_attention(lm):
+    """Route `lm`'s attention through the engine and suspend HF gradient checkpointing, restoring both on exit."""
+    configs = {id(m.config): m.config for m in lm.modules()
+               if hasattr(getattr(m, "config", None), "_attn_implementation")}
+    configs[id(lm.config)] = lm.config
+    saved = {k: c._attn_implementation for k, c in configs.items()}
+    checkpointed = [m for m in lm.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    if checkpointed:
+        _checks.warn_once(
+            "engine:gradient_checkpointing",
+            "DTAEngine: HF gradient checkpointing is suspended during engine calls (it drops the key/value prefix); "
+            "set `max_graph_tokens` to bound memory with the engine's own recompute instead.",
+        )
+    try:
+        for c in configs.values():
+            c._attn_implementation = attention.ATTN_IMPLEMENTATION
+        for m in checkpointed:
+            m.gradient_checkpointing = False
+        yield
+    finally:
+        for k, c in configs.items():
+            c._attn_implementation = saved[k]
+        for m in checkpointed:
+            m.gradient_checkpointing = True
+

@@ -1,0 +1,99 @@
+r"""Packed subtree rows: several small subtrees forwarded as the rows of one batch.
+
+Each row holds one subtree's segments in pre-order, right-padded to the longest row. A token sits at its depth (its
+position id) and sees the path's keys plus the tokens of its row whose segment is an ancestor-or-self of its own
+segment and that are not deeper. Pre-order numbering makes "ancestor-or-self" an interval test: segment `a` is an
+ancestor-or-self of `b` iff `a <= b < a + subtree_segments[a]`. For a row `[a b | c | d]` with `c` and `d` both
+children of `[a b]` (depths 0 1 | 2 | 2):
+
+```
+            keys:  a  b  c  d
+  query a:         1  0  0  0
+  query b:         1  1  0  0
+  query c:         1  1  1  0
+  query d:         1  1  0  1
+```
+
+A row of one segment is plain causal; when every row is a single segment no mask is built at all. Padding sees only
+itself (never an empty softmax row) and no real token sees it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..tree import PrefixTree
+
+
+@dataclass
+class PackedRows:
+    """A batch of packed subtree rows.
+
+    Args:
+        ids (`torch.LongTensor` of shape `(batch, width)`): token ids, right-padded with 0.
+        columns (`dict[int, tuple[int, int]]`): segment -> (row, column of its first token), in pre-order per row.
+        rows (`list[list[int]]`): the segments of each row, in pre-order.
+        n_real (`int`): real (unpadded) tokens.
+        positions (`torch.LongTensor` of shape `(batch, width)`, *optional*): depths; None when every row is one
+            segment (the rows then continue the path causally).
+        mask (`torch.BoolTensor` of shape `(batch, width, width)`, *optional*): `mask[b, i, j]`: token `i` of row `b`
+            sees token `j`; None with `positions`.
+    """
+
+    ids: torch.Tensor
+    columns: dict[int, tuple[int, int]]
+    rows: list[list[int]]
+    n_real: int
+    positions: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+
+def pack_rows(tree: PrefixTree, roots: list[int], subtree_segments: list[int], subtree_tokens: list[int],
+              tokens: list[torch.Tensor], device) -> PackedRows:
+    """Lay out the subtrees of `roots` as the rows of one batch.
+
+    Args:
+        tree (`PrefixTree`): the batch.
+        roots (`list[int]`): one subtree root per row.
+        subtree_segments (`list[int]`), subtree_tokens (`list[int]`): `(n_segments,)`, from the tree.
+        tokens (`list[torch.LongTensor]`): per segment, its ids `(length,)` on `device`.
+    """
+    segs = tree.segments
+    rows = [list(range(r, r + subtree_segments[r])) for r in roots]
+    width = max(subtree_tokens[r] for r in roots)
+    ids = torch.zeros(len(roots), width, dtype=torch.long, device=device)  # (batch, width)
+    columns = {}
+    for b, row in enumerate(rows):
+        col = 0
+        for g in row:
+            columns[g] = (b, col)
+            ids[b, col : col + segs[g].length] = tokens[g]
+            col += segs[g].length
+    packed = PackedRows(ids, columns, rows, sum(subtree_tokens[r] for r in roots))
+    if any(len(row) > 1 for row in rows):
+        packed.positions, packed.mask = tree_mask(tree, rows, width, subtree_segments, device)
+    return packed
+
+
+def tree_mask(tree: PrefixTree, rows: list[list[int]], width: int, subtree_segments: list[int],
+              device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depths `(batch, width)` and visibility `(batch, width, width)` of packed rows (see the module docstring)."""
+    segs = tree.segments
+    batch = len(rows)
+    positions = torch.zeros(batch, width, dtype=torch.long, device=device)  # (batch, width)
+    seg_of = torch.full((batch, width), -1, dtype=torch.long, device=device)  # (batch, width), -1 = padding
+    for b, row in enumerate(rows):
+        col = 0
+        for g in row:
+            n = segs[g].length
+            positions[b, col : col + n] = torch.arange(segs[g].start, segs[g].end, device=device)
+            seg_of[b, col : col + n] = g
+            col += n
+    span = torch.tensor(subtree_segments, device=device)  # (n_segments,)
+    si, sj = seg_of[:, :, None], seg_of[:, None, :]  # (batch, width, 1), (batch, 1, width)
+    ancestor = (sj <= si) & (si < sj + span[sj.clamp(min=0)]) & (sj >= 0)  # (batch, width, width)
+    mask = ancestor & (positions[:, None, :] <= positions[:, :, None])
+    mask |= torch.eye(width, dtype=torch.bool, device=device)  # padding sees itself (never an empty softmax row)
+    return positions, mask

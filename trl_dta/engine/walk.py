@@ -1,0 +1,332 @@
+"""The depth-first walk of one engine call: push, visit, pop, gradient injection and recompute.
+
+The walk executes what the [`ScorePlan`] and the schedule (`schedule_children`) decide, over a model whose attention
+is already routed to DTA (the engine's job), and returns its results and counters in a [`WalkResult`].
+
+Gradient sinks: in training the keys/values pushed on the stack and a segment's scored log-probs/entropies are
+detached copies that require grad (`_grad_sink`); every descendant's backward accumulates into their `.grad`, and
+popping the segment injects those sums into the segment's own graph (`_inject`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..attention import AttentionContext
+from ..kv_stack import Frame, KVStack
+from ..lm_head import HeadSpec, head_logprobs
+from ..tree import PrefixTree
+from .plan import BlockTargets, ScorePlan
+from .rows import pack_rows
+from .schedule import Budgets, graph_fits, schedule_children
+
+LossFn = Callable[[int, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+@dataclass
+class WalkResult:
+    """What one walk produced.
+
+    Args:
+        logps (`list[torch.Tensor]`): per sequence, its scored log-probs `(n_scored_i,)`, detached.
+        entropies (`list[torch.Tensor]`, *optional*): same shapes, when asked.
+        loss (`torch.Tensor`, *optional*): detached sum of the `loss_fn` values (training only).
+        stats (`dict[str, int]`): work done: `forward_tokens`, `padded_tokens`, `recomputed_tokens`,
+            `scored_positions`, `peak_graph_tokens`, `forwards`, `backwards`.
+    """
+
+    logps: list[torch.Tensor]
+    entropies: list[torch.Tensor] | None
+    loss: torch.Tensor | None
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class _SegmentState:
+    """A segment whose outputs are live: its scored outputs and how to back-propagate it."""
+
+    out_lp: torch.Tensor  # (n_outputs,) gradient sink in training: internal targets, then one fork per scored child
+    out_ent: torch.Tensor | None  # (n_outputs,) or None
+    n_frames: int  # frames it pushed on the stack
+    graph: tuple | None = None  # keep mode: (kv per layer, lp, ent) with autograd history
+    blocks: list[tuple[int, int]] | None = None  # recompute mode: block bounds within the segment
+
+
+class TreeWalk:
+    """One depth-first traversal of `tree` through `lm` (see the package docstring for the three modes).
+
+    Args:
+        lm (`transformers.PreTrainedModel`): the causal LM, attention already switched to DTA.
+        n_layers (`int`): its number of attention layers.
+        tree (`PrefixTree`), plan (`ScorePlan`): the batch and what to score.
+        budgets (`Budgets`): the engine's knobs.
+        loss_fn (`LossFn`, *optional*): None for a no-grad call.
+        temperature (`float`), entropy (`bool`): as in [`DTAEngine.logprobs`].
+    """
+
+    def __init__(self, lm, n_layers: int, tree: PrefixTree, plan: ScorePlan, budgets: Budgets,
+                 loss_fn: LossFn | None, temperature: float, entropy: bool):
+        self.lm = lm
+        self.backbone = lm.get_decoder()
+        self.head = HeadSpec.from_model(lm)
+        self.device = lm.get_output_embeddings().weight.device
+        self.n_layers = n_layers
+        self.tree, self.plan, self.budgets = tree, plan, budgets
+        self.loss_fn = loss_fn
+        self.train = loss_fn is not None
+        self.temperature = temperature
+        self.want_ent = entropy
+        self.stack = KVStack(n_layers)
+        self.tokens = [tree.tokens(s.index).to(self.device) for s in tree.segments]  # per segment (length,)
+        self.fork_tokens = [torch.stack([self.tokens[c][0] for c in kids]) if kids else None  # (n_forks,)
+                            for kids in plan.fork_children]
+        self.subtree_tokens = tree.subtree_tokens()
+        self.subtree_segments = tree.subtree_segments()
+        self.has_children = [bool(s.children) for s in tree.segments]
+        self.live_outputs: dict[int, _SegmentState] = {}  # segments of the current path and the running rows
+        self.path: list[int] = []
+        self.logps: list[torch.Tensor | None] = [None] * tree.n_sequences
+        self.ents: list[torch.Tensor | None] = [None] * tree.n_sequences
+        self.total = None
+        self.pending = None  # sum of the losses visited since the last backward
+        self.live = 0  # graph tokens kept on the path
+        self.stats = dict(forward_tokens=0, padded_tokens=0, recomputed_tokens=0, scored_positions=0,
+                          peak_graph_tokens=0, forwards=0, backwards=0)
+
+    def run(self) -> WalkResult:
+        with torch.set_grad_enabled(self.train):
+            todo: list[tuple[str, int]] = [("children", -1)]
+            while todo:
+                kind, s = todo.pop()
+                if kind == "enter":
+                    self._push(s)
+                elif kind == "exit":
+                    self._pop(s)
+                else:
+                    for c in reversed(self._run_children(s)):
+                        todo += [("exit", c), ("children", c), ("enter", c)]
+            for i in self.tree.empty:
+                self._visit(i)
+            self._backward_pending()
+        loss = None
+        if self.train:
+            loss = self.total if self.total is not None else torch.zeros((), device=self.device)
+        return WalkResult(self.logps, self.ents if self.want_ent else None, loss, dict(self.stats))
+
+    def _run_children(self, s: int) -> list[int]:
+        """Run the children of `s` the schedule batches or runs alone; return those to walk, in order."""
+        kids = self.tree.roots if s < 0 else self.tree.segments[s].children
+        plan = schedule_children(kids, self.has_children, self.subtree_tokens, self.budgets, train=self.train,
+                                 live=self.live)
+        for kind, batch in plan.steps:
+            if kind == "rows":
+                self._run_rows(batch)
+            else:
+                self._push(batch[0])
+                self._pop(batch[0])
+        return plan.walk
+
+    # ------------------------------------------------------------------ model calls
+
+    def _forward(self, ids: torch.Tensor, n_real: int, positions: torch.Tensor | None = None,
+                 row_mask: torch.Tensor | None = None):
+        """Forward `ids` `(batch, length)` after the current path. Returns hidden `(batch, length, hidden)` and the
+        new keys/values per layer, each `(batch, n_kv_heads, length, head_dim)`.
+
+        Without `row_mask` the rows continue the path causally (positions `path_len + arange(length)`). With it
+        (packed rows) `positions` `(batch, length)` are the tokens' depths and `row_mask` `(batch, length, length)`
+        says which tokens of its row each token sees (the path's keys are visible to all)."""
+        batch, length = ids.shape
+        ctx = AttentionContext(self.stack, row_mask=row_mask, positions=positions)
+        if positions is None:
+            start = self.stack.length
+            positions = torch.arange(start, start + length, device=self.device).expand(batch, length)
+        out = self.backbone(input_ids=ids, position_ids=positions, use_cache=False, dta_ctx=ctx)
+        if ctx.calls != self.n_layers or len(ctx.record) != self.n_layers:
+            raise NotImplementedError(
+                f"{type(self.lm).__name__}: {ctx.calls} attention calls through transformers' AttentionInterface for "
+                f"{self.n_layers} layers; DTA needs every layer to use it, so this model is not supported."
+            )
+        self.stats["forwards"] += 1
+        self.stats["forward_tokens"] += n_real
+        self.stats["padded_tokens"] += batch * length
+        graph = self.live + (batch * length if torch.is_grad_enabled() else 0)
+        self.stats["peak_graph_tokens"] = max(self.stats["peak_graph_tokens"], graph)
+        return out.last_hidden_state, [ctx.record[layer] for layer in range(self.n_layers)]
+
+    def _score(self, hidden: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor):
+        """Log-probs (and entropies) `(n,)` of `targets` `(n,)` at `positions` `(n,)` of `hidden` `(length, d)`."""
+        self.stats["scored_positions"] += len(targets)
+        return head_logprobs(self.head, hidden[positions], targets, temperature=self.temperature,
+                             entropy=self.want_ent, chunk_size=self.budgets.lm_head_chunk_size)
+
+    def _targets(self, s: int, lo: int, block: BlockTargets) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions relative to `lo` `(n,)` and target ids `(n,)` of a block of segment `s`, in output order."""
+        r = block.internal
+        pos = torch.arange(r.start - lo, r.stop - lo, device=self.device)
+        tgt = self.tokens[s][r.start + 1 : r.stop + 1]
+        if block.forks:
+            last = self.tree.segments[s].length - 1 - lo
+            pos = torch.cat([pos, torch.full((len(block.forks),), last, device=self.device)])
+            tgt = torch.cat([tgt, self.fork_tokens[s]])
+        return pos, tgt
+
+    # ------------------------------------------------------------------ push / visit / pop
+
+    def _grad_sink(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """Detached copy that collects gradients (float32 for half precision, so many children sum accurately)."""
+        if t is None or not self.train:
+            return t
+        t = t.detach()
+        if t.dtype in (torch.float16, torch.bfloat16):
+            t = t.float()
+        return t.requires_grad_()
+
+    def _push_frame(self, kv, length: int) -> None:
+        self.stack.push(Frame([self._grad_sink(k) for k, _ in kv], [self._grad_sink(v) for _, v in kv], length))
+
+    def _push(self, s: int) -> None:
+        """Forward segment `s` after the path (keep mode, or no-grad blocks in recompute mode) and visit the
+        sequences that end there."""
+        length = self.tree.segments[s].length
+        if graph_fits(self.budgets, self.train, self.live, length):
+            hidden, kv = self._forward(self.tokens[s][None], length)
+            lp, ent = self._score(hidden[0], *self._targets(s, 0, self.plan.block(s, 0, length)))
+            self._push_frame(kv, length)
+            graph = (kv, lp, ent) if self.train else None
+            state = _SegmentState(self._grad_sink(lp), self._grad_sink(ent), 1, graph=graph)
+            if self.train:
+                self.live += length
+        else:
+            size = self.budgets.block_size
+            blocks = [(lo, min(lo + size, length)) for lo in range(0, length, size)]
+            lps, ents = [], []
+            with torch.no_grad():
+                for lo, hi in blocks:
+                    hidden, kv = self._forward(self.tokens[s][None, lo:hi], hi - lo)
+                    lp, ent = self._score(hidden[0], *self._targets(s, lo, self.plan.block(s, lo, hi)))
+                    lps.append(lp)
+                    ents.append(ent)
+                    self._push_frame(kv, hi - lo)
+            ent = torch.cat(ents) if self.want_ent else None
+            state = _SegmentState(self._grad_sink(torch.cat(lps)), self._grad_sink(ent), len(blocks), blocks=blocks)
+        self.path.append(s)
+        self.live_outputs[s] = state
+        for i in self.tree.segments[s].ends:
+            self._visit(i)
+        self._backward_pending()
+
+    def _pop(self, s: int) -> None:
+        """Pop segment `s`: inject its accumulated gradients into its graph (recomputing it block by block, last to
+        first, in recompute mode)."""
+        self.path.pop()
+        state = self.live_outputs.pop(s)
+        if not self.train:
+            for _ in range(state.n_frames):
+                self.stack.pop()
+            return
+        if state.graph is not None:
+            frame = self.stack.pop()
+            kv, lp, ent = state.graph
+            self._inject(frame, kv, (lp, state.out_lp.grad), (ent, None if ent is None else state.out_ent.grad))
+            self.live -= self.tree.segments[s].length
+            return
+        for lo, hi in reversed(state.blocks):
+            frame = self.stack.pop()
+            hidden, kv = self._forward(self.tokens[s][None, lo:hi], hi - lo)
+            block = self.plan.block(s, lo, hi)
+            lp, ent = self._score(hidden[0], *self._targets(s, lo, block))
+            self.stats["recomputed_tokens"] += hi - lo
+            a, b = block.outputs
+            g_lp = None if state.out_lp.grad is None else state.out_lp.grad[a:b]
+            g_ent = None if ent is None or state.out_ent.grad is None else state.out_ent.grad[a:b]
+            self._inject(frame, kv, (lp, g_lp), (ent, g_ent))
+
+    def _inject(self, frame: Frame, kv, *outputs) -> None:
+        """Back-propagate a segment's graph with the gradients accumulated on its sinks."""
+        tensors, grads = [], []
+        for (k, v), k_sink, v_sink in zip(kv, frame.keys, frame.values):
+            for t, sink in ((k, k_sink), (v, v_sink)):
+                if sink.grad is not None and t.requires_grad:  # e.g. frozen first-layer keys under LoRA
+                    tensors.append(t)
+                    grads.append(sink.grad.to(t.dtype))
+        for t, g in outputs:
+            if t is not None and g is not None and t.requires_grad:
+                tensors.append(t)
+                grads.append(g.to(t.dtype))
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+            self.stats["backwards"] += 1
+
+    def _run_rows(self, roots: list[int]) -> None:
+        """Forward small subtrees as the rows of one batch (`rows.py`), visit their sequences, back-propagate once.
+        Every token of the rows is forwarded and back-propagated exactly once."""
+        segs = self.tree.segments
+        packed = pack_rows(self.tree, roots, self.subtree_segments, self.subtree_tokens, self.tokens, self.device)
+        hidden, _ = self._forward(packed.ids, packed.n_real, packed.positions, packed.mask)
+        # Score every segment's outputs in the standard layout: internal targets, then forks to scored children.
+        rows, cols, targets, sizes = [], [], [], []
+        for g, (b, col) in packed.columns.items():
+            pos, tgt = self._targets(g, 0, self.plan.block(g, 0, segs[g].length))
+            rows.append(torch.full((len(tgt),), b, device=self.device))
+            cols.append(pos + col)
+            targets.append(tgt)
+            sizes.append(len(tgt))
+        targets = torch.cat(targets)  # (n_scored,)
+        self.stats["scored_positions"] += len(targets)
+        lp, ent = head_logprobs(self.head, hidden[torch.cat(rows), torch.cat(cols)], targets,
+                                temperature=self.temperature, entropy=self.want_ent,
+                                chunk_size=self.budgets.lm_head_chunk_size)
+        ents = ent.split(sizes) if ent is not None else [None] * len(sizes)
+        for g, a, e in zip(packed.columns, lp.split(sizes), ents):
+            self.live_outputs[g] = _SegmentState(a, e, 0)
+        for g in packed.columns:
+            for i in segs[g].ends:
+                self._visit(i)
+        for g in packed.columns:
+            del self.live_outputs[g]
+        self._backward_pending()
+
+    def _visit(self, i: int) -> None:
+        """Assemble sequence `i`'s scored log-probs (and entropies) from the live outputs of its path's segments
+        (`ScorePlan.slices`) and add its loss."""
+        lp_parts, ent_parts = [], []
+        for s, a, b in self.plan.slices(i):
+            state = self.live_outputs[s]
+            lp_parts.append(state.out_lp[a:b])
+            if self.want_ent:
+                ent_parts.append(state.out_ent[a:b])
+        lp = self._cat(lp_parts)
+        ent = self._cat(ent_parts) if self.want_ent else None
+        self.logps[i] = lp.detach()
+        if self.want_ent:
+            self.ents[i] = ent.detach()
+        if self.train:
+            loss = self.loss_fn(i, lp, ent)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+                raise TypeError(f"`loss_fn` must return a scalar tensor, got {shape} for sequence {i}.")
+            if loss.device != self.device:
+                raise ValueError(
+                    f"`loss_fn` returned a tensor on {loss.device} for sequence {i}; the log-probs it receives are "
+                    f"on {self.device}: compute the loss on that device."
+                )
+            loss = loss.reshape(())
+            self.total = loss.detach() if self.total is None else self.total + loss.detach()
+            self.pending = loss if self.pending is None else self.pending + loss
+
+    def _cat(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        if not parts:
+            dtype = self.lm.get_output_embeddings().weight.dtype
+            dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+            return torch.zeros(0, device=self.device, dtype=dtype)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _backward_pending(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None and pending.requires_grad:
+            pending.backward()
+            self.stats["backwards"] += 1
