@@ -1,0 +1,105 @@
+r"""The episode reward: tau2-bench's success criterion, plus a shaped partial credit below it.
+
+tau2-bench scores an episode 1 when the final database equals the database produced by replaying the task's gold
+actions *and* the agent communicated the required information, else 0. A randomly initialised model essentially
+never succeeds, so GRPO would see groups of equal rewards and no gradient. Below success, this reward therefore gives
+a shaped partial credit that rises with every step toward it:
+
+$$
+\text{reward} = \begin{cases}
+1 & \text{if db\_match and info} = 1 \quad \text{(tau2 success)}\\
+0.5 \cdot (0.2 \cdot \text{protocol} + 0.5 \cdot \text{actions} + 0.3 \cdot \text{info}) & \text{otherwise}
+\end{cases}
+$$
+
+- `protocol`: mean over the agent's turns of `protocol.protocol_score` (the keyword's first right characters count,
+  then a known tool, then the right argument names; `1` for every well-formed turn);
+- `actions`: fraction of the gold actions the agent executed without error (matched as a multiset: the same tool with
+  the same arguments, in any order; each executed call matches at most one gold action);
+- `info`: fraction of the required information said as a whole word in some `say` message.
+
+Partial credit is at most `0.5` (reached only by a perfect-looking episode that broke the database), so any
+success outranks any failure; a failure that breaks the database (say by
+cancelling the wrong order) keeps its partial credit but can never succeed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .database import Database
+from .protocol import Call, protocol_score
+
+PARTIAL_SCALE = 0.5
+PROTOCOL_WEIGHT, ACTIONS_WEIGHT, INFO_WEIGHT = 0.2, 0.5, 0.3
+
+
+@dataclass(frozen=True)
+class RewardBreakdown:
+    """The reward of one episode and its parts.
+
+    Args:
+        reward (`float`): `1.0` on success, else the partial credit, in `[0, 0.5]`.
+        success (`bool`): tau2's criterion: `db_match and info == 1`.
+        db_match (`bool`): final database == gold database.
+        info (`float`): fraction of required information said.
+        actions (`float`): fraction of gold actions executed without error.
+        protocol (`float`): mean protocol score of the agent's turns (`0` without turns).
+    """
+
+    reward: float
+    success: bool
+    db_match: bool
+    info: float
+    actions: float
+    protocol: float
+
+
+def info_said(required: Sequence[str], messages: Sequence[str]) -> float:
+    """Fraction of `required` words that occur as whole words in some of `messages`."""
+    if not required:
+        return 1.0
+    said = sum(any(re.search(rf"(?<!\w){re.escape(word)}(?!\w)", m) for m in messages) for word in required)
+    return said / len(required)
+
+
+def actions_done(gold: Sequence[Call], executed: Sequence[Call]) -> float:
+    """Fraction of `gold` calls matched by `executed` calls (successful ones), as a multiset."""
+    if not gold:
+        return 1.0
+    return sum((Counter(gold) & Counter(executed)).values()) / len(gold)
+
+
+def compute_reward(
+    final_db: Database,
+    gold_db: Database,
+    required_info: Sequence[str],
+    gold_actions: Sequence[Call],
+    turns: Sequence[str],
+    said: Sequence[str],
+    executed: Sequence[Call],
+) -> RewardBreakdown:
+    """Scores one finished episode.
+
+    Args:
+        final_db ([`~envs.database.Database`]): the database at the end of the episode.
+        gold_db ([`~envs.database.Database`]): the database after the gold actions.
+        required_info (`Sequence[str]`): words the agent must say.
+        gold_actions (`Sequence[Call]`): the task's gold calls.
+        turns (`Sequence[str]`): every agent turn as decoded.
+        said (`Sequence[str]`): the agent's `say` messages.
+        executed (`Sequence[Call]`): the agent's tool calls that returned without error.
+
+    Returns:
+        [`RewardBreakdown`].
+    """
+    db_match = final_db == gold_db
+    info = info_said(required_info, said)
+    actions = actions_done(gold_actions, executed)
+    protocol = sum(map(protocol_score, turns)) / len(turns) if turns else 0.0
+    success = db_match and info == 1.0
+    partial = PARTIAL_SCALE * (PROTOCOL_WEIGHT * protocol + ACTIONS_WEIGHT * actions + INFO_WEIGHT * info)
+    return RewardBreakdown(1.0 if success else partial, success, db_match, info, actions, protocol)

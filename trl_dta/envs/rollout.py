@@ -1,0 +1,244 @@
+"""Multi-turn rollouts: the policy plays episodes of a domain, token in, token out.
+
+An episode is one token sequence that grows turn by turn. The policy's tokens are generated; everything else (the
+prompt, tool answers, user replies, each with the next `agent: ` header) is tokenized from the environment's text and
+appended. The rollout keeps, per episode, which token came from where and where each agent turn lies:
+
+```
+ids:      [ prompt ........ ][turn 0][ tool reply ][turn 1][ user reply ][turn 2]
+env_mask:  0 0 0 ........ 0  1 1 1   0 0 0 0 0 0   1 1 1 1  0 0 0 0 0 0   1 1
+turns:                       [s0,e0)               [s1,e1)                [s2,e2)
+```
+
+Turn `k` was generated from exactly `ids[:s_k]` (its prefix) and is `ids[s_k:e_k]`. So the episode layout (one
+training sequence per episode, environment tokens masked: TRL's `env_mask`) and the per-turn layout (one sequence per
+turn, `ids[:e_k]`, completion = the turn) come from the same record; the per-turn sequences of an episode are nested
+prefixes of each other, and all episodes of a domain share the system prompt.
+
+Episodes run in lockstep: each round asks the generator for one turn of every unfinished episode in one batch. The
+last token of an episode is always a policy token: the reply that ends an episode (the user's `(stop)`, or the answer
+to the last allowed turn) stays in `messages` but is not tokenized, as nothing would be generated after it.
+
+Limits: at most `max_turns` agent turns, at most `max_turn_tokens` tokens per turn (the generator stops earlier at
+its end-of-turn token), and never more than `max_tokens` tokens in an episode: a turn gets at most the tokens left,
+and a reply that would leave no token for the next turn ends the episode (`"max_tokens"`) instead of being appended.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+from transformers import GenerationConfig
+
+from .._checks import check_int
+from .env import RetailDomain, RetailEnv
+from .protocol import render_reply
+from .reward import RewardBreakdown
+
+
+class Generation(NamedTuple):
+    """One generated turn: its token ids and, if the generator has them, their sampling log-probs (same length)."""
+
+    ids: list[int]
+    logprobs: list[float] | None
+
+
+# (prefixes, max_new_tokens per prefix) -> one Generation per prefix, each with 1..max_new_tokens ids.
+GenerateFn = Callable[[list[list[int]], list[int]], list[Generation]]
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One agent turn of an episode: tokens `ids[start:end]`, generated from the prefix `ids[:start]`."""
+
+    start: int
+    end: int
+
+
+@dataclass
+class Episode:
+    """A finished episode.
+
+    Args:
+        task_id (`int`): its task.
+        ids (`list[int]`): the whole conversation, prompt included, `(n_tokens,)`.
+        env_mask (`list[int]`): `(n_tokens,)`, 1 for tokens the policy generated, 0 for prompt and environment tokens
+            (TRL's `env_mask`/`tool_mask` convention).
+        logprobs (`list[float]` or `None`): `(n_tokens,)`, the sampling log-prob of each policy token, 0.0 elsewhere;
+            `None` when the generator gives none.
+        prompt_length (`int`): tokens of the prompt (system prompt, ticket line, opening, first agent header).
+        turns (`list[Turn]`): the agent turns, in order.
+        messages (`list[tuple[str, str]]`): the conversation after the prompt as text, `(role, text)`.
+        end_reason (`str`): `"user_stop"`, `"max_turns"` or `"max_tokens"`.
+        reward (`RewardBreakdown`): the episode's reward and its parts.
+    """
+
+    task_id: int
+    ids: list[int]
+    env_mask: list[int]
+    logprobs: list[float] | None
+    prompt_length: int
+    turns: list[Turn] = field(default_factory=list)
+    messages: list[tuple[str, str]] = field(default_factory=list)
+    end_reason: str = ""
+    reward: RewardBreakdown | None = None
+
+
+def _append(episode: Episode, ids: Sequence[int], from_policy: bool, logprobs: Sequence[float] | None) -> None:
+    episode.ids.extend(ids)
+    episode.env_mask.extend([int(from_policy)] * len(ids))
+    if episode.logprobs is not None:
+        episode.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+
+
+def play_episodes(
+    domain: RetailDomain,
+    task_ids: Sequence[int],
+    generate: GenerateFn,
+    tokenizer,
+    *,
+    num_generations: int = 1,
+    max_turns: int = 8,
+    max_turn_tokens: int = 64,
+    max_tokens: int = 1024,
+) -> list[Episode]:
+    """Plays `num_generations` episodes of every task with the policy behind `generate`.
+
+    Args:
+        domain ([`~envs.env.RetailDomain`]): the domain.
+        task_ids (`Sequence[int]`): the tasks; repeats are allowed (TRL passes each prompt `num_generations` times).
+        generate (`GenerateFn`): `generate(prefixes, max_new_tokens) -> list[Generation]`, one turn per prefix, at
+            most `max_new_tokens[i]` (and at least one) token ids each, normally ending with the end-of-turn token;
+            see [`model_generate_fn`].
+        tokenizer: the policy's tokenizer (prompt with special tokens, replies without; turns decoded without).
+        num_generations (`int`, *optional*, defaults to `1`): episodes per task.
+        max_turns (`int`, *optional*, defaults to `8`): agent turns per episode.
+        max_turn_tokens (`int`, *optional*, defaults to `64`): tokens per agent turn (the longest gold call of the
+            retail domain is about 50 characters).
+        max_tokens (`int`, *optional*, defaults to `1024`): tokens per episode, prompt included.
+
+    Returns:
+        `list[Episode]`: `len(task_ids) * num_generations` episodes, the `num_generations` of a task next to each other.
+    """
+    num_generations = check_int("num_generations", num_generations, minimum=1)
+    max_turn_tokens = check_int("max_turn_tokens", max_turn_tokens, minimum=1)
+    max_tokens = check_int("max_tokens", max_tokens, minimum=2)
+    episodes: list[Episode] = []
+    envs: list[RetailEnv] = []
+    for task_id in task_ids:
+        prompt_ids = tokenizer(domain.prompt(task_id))["input_ids"]
+        if len(prompt_ids) >= max_tokens:
+            raise ValueError(
+                f"the prompt of task {task_id} has {len(prompt_ids)} tokens, which leaves no room for a turn within "
+                f"`max_tokens={max_tokens}`; raise `max_tokens` or shorten the policy (`policy_chars`)."
+            )
+        for _ in range(num_generations):
+            episodes.append(Episode(domain.task(task_id).task_id, list(prompt_ids), [0] * len(prompt_ids),
+                                    [0.0] * len(prompt_ids), len(prompt_ids)))
+            envs.append(domain.episode(task_id, max_turns=max_turns))
+    while active := [i for i, env in enumerate(envs) if not env.done]:
+        budgets = [min(max_turn_tokens, max_tokens - len(episodes[i].ids)) for i in active]
+        outputs = generate([list(episodes[i].ids) for i in active], budgets)
+        if len(outputs) != len(active):
+            raise ValueError(f"`generate` returned {len(outputs)} generations for {len(active)} prefixes.")
+        for i, output, budget in zip(active, outputs, budgets):
+            episode, env = episodes[i], envs[i]
+            if not 1 <= len(output.ids) <= budget:
+                raise ValueError(f"`generate` returned {len(output.ids)} tokens for a turn limited to {budget}; it "
+                                 "must return between 1 and max_new_tokens tokens per prefix.")
+            if output.logprobs is None:
+                episode.logprobs = None
+            elif len(output.logprobs) != len(output.ids):
+                raise ValueError("`generate` returned log-probs and token ids of different lengths.")
+            start = len(episode.ids)
+            _append(episode, output.ids, True, output.logprobs)
+            episode.turns.append(Turn(start, len(episode.ids)))
+            role, text = env.step(tokenizer.decode(output.ids, skip_special_tokens=True))
+            if env.done:
+                continue
+            reply = tokenizer(render_reply(role, text), add_special_tokens=False)["input_ids"]
+            if len(episode.ids) + len(reply) >= max_tokens:
+                env.stop("max_tokens")
+                continue
+            _append(episode, reply, False, None)
+    for episode, env in zip(episodes, envs):
+        episode.messages, episode.end_reason, episode.reward = env.messages, env.end_reason, env.reward()
+    return episodes
+
+
+LAYOUTS = ("episode", "per_turn")
+
+
+def layout_sequences(episodes: Sequence[Episode], layout: str) -> list[list[int]]:
+    """The training sequences of a batch of episodes in one of the two layouts.
+
+    Args:
+        episodes (`Sequence[Episode]`): the episodes.
+        layout (`str`): `"episode"`: one sequence per episode, its whole `ids`; `"per_turn"`: one sequence per agent
+            turn, the conversation up to and including that turn (`ids[:turn.end]`), so an episode's sequences are
+            nested prefixes of each other.
+
+    Returns:
+        `list[list[int]]`: the sequences, episode by episode (and turn by turn).
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"`layout` must be one of {LAYOUTS}, got {layout!r}.")
+    if layout == "episode":
+        return [list(e.ids) for e in episodes]
+    return [e.ids[:turn.end] for e in episodes for turn in e.turns]
+
+
+def model_generate_fn(model, tokenizer, generation_config=None, **generation_kwargs) -> GenerateFn:
+    """A [`GenerateFn`] that samples turns from a causal LM with `model.generate`, with sampling log-probs.
+
+    Prefixes are left-padded into one batch and sampled together; each row is cut after its first stop token (the
+    generation config's `eos_token_id`, one id or a list) and at its own budget. The log-probs are those of the
+    processed distribution the token was drawn from (after temperature, top-k, top-p), as vLLM's
+    `processed_logprobs`; they cost `(batch, new_tokens, vocab)` floats of scores while generating.
+
+    Args:
+        model ([`~transformers.PreTrainedModel`]): the policy (its mode is left as it is).
+        tokenizer: its tokenizer (pad and eos ids).
+        generation_config ([`~transformers.GenerationConfig`], *optional*): sampling settings, e.g. a TRL
+            trainer's `generation_config`. Defaults to plain sampling: temperature 1, no top-k, no top-p.
+        **generation_kwargs: overrides of the generation config (e.g. `temperature=0.7`).
+
+    Returns:
+        `GenerateFn`.
+    """
+    if generation_config is None:
+        generation_config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+    base = copy.deepcopy(generation_config)
+    base.update(**generation_kwargs)
+    eos = tokenizer.eos_token_id if base.eos_token_id is None else base.eos_token_id
+    stop_ids = sorted(set(eos if isinstance(eos, (list, tuple)) else [eos]))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def generate(prefixes: list[list[int]], max_new_tokens: list[int]) -> list[Generation]:
+        device = model.device
+        width = max(map(len, prefixes))
+        input_ids = torch.full((len(prefixes), width), pad_id, dtype=torch.long, device=device)  # (batch, width)
+        attention_mask = torch.zeros_like(input_ids)  # (batch, width), left padding
+        for row, prefix in enumerate(prefixes):
+            input_ids[row, width - len(prefix):] = torch.tensor(prefix, device=device)
+            attention_mask[row, width - len(prefix):] = 1
+        config = copy.deepcopy(base)
+        config.update(max_new_tokens=max(max_new_tokens), eos_token_id=stop_ids, pad_token_id=pad_id,
+                      output_scores=True, return_dict_in_generate=True)
+        with torch.no_grad():
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+        new_ids = out.sequences[:, width:]  # (batch, new_tokens)
+        scores = torch.stack(out.scores, dim=1).float()  # (batch, new_tokens, vocab), processed
+        logprobs = scores.log_softmax(-1).gather(-1, new_ids.unsqueeze(-1)).squeeze(-1)  # (batch, new_tokens)
+        generations = []
+        for row, budget in enumerate(max_new_tokens):
+            ids = new_ids[row, :budget].tolist()
+            end = next((k + 1 for k, token in enumerate(ids) if token in stop_ids), len(ids))
+            generations.append(Generation(ids[:end], logprobs[row, :end].tolist()))
+        return generations
+
+    return generate

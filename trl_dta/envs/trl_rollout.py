@@ -1,0 +1,112 @@
+"""The bridge to TRL: a dataset of task prompts, a `rollout_func` that plays episodes, and the reward function.
+
+TRL 1.16's `GRPOTrainer(rollout_func=...)` calls `rollout_func(prompts, trainer)` with the prompts of this process
+(each prompt already repeated `num_generations` times, one completion expected per row) and takes back
+`prompt_ids`, `completion_ids` and `logprobs` per row; an `env_mask` (1 = policy token) becomes its `tool_mask`, so
+user and tool tokens stay out of the loss; every other key is handed to the reward functions, row by row:
+
+```python
+domain = RetailDomain()
+trainer = GRPOTrainer(model=model, processing_class=tokenizer, train_dataset=build_dataset(domain, 64),
+                      rollout_func=AgentRolloutFunc(domain), reward_funcs=episode_reward, args=GRPOConfig(...))
+```
+
+Here `prompt_ids` is the episode's prompt and `completion_ids` the rest of the conversation (the "episode" layout).
+The extra keys `episode_reward` (`float`), `turn_spans` (`[[start, end], ...]`, positions of the agent turns in
+`prompt_ids + completion_ids`), `end_reason` and `success` carry what a per-turn layout needs to cut an episode into
+one sample per turn. Generation uses the trainer's model through TRL's `unwrap_model_for_generation` and the
+trainer's sampling settings (`trainer.generation_config`: temperature, top-p, top-k, ...), with
+`max_completion_length` as the budget of each *turn* (64 fits every gold call of the retail domain).
+
+An episode ends on an agent turn, so TRL's `mask_truncated_completions=True` drops every episode whose last turn did
+not end with the end-of-turn token (one cut by `max_completion_length` or by the episode's `max_tokens`). TRL's vLLM
+path is refused: its generation calls are collective over processes, and episodes of different lengths would make
+them diverge; it cannot be tested offline either.
+"""
+
+from __future__ import annotations
+
+from datasets import Dataset
+
+from .._checks import check_bool, check_int
+from .env import RetailDomain
+from .rollout import model_generate_fn, play_episodes
+
+
+def build_dataset(
+    domain: RetailDomain, num_tasks: int, *, first_task: int = 0, conversational: bool = False
+) -> Dataset:
+    """One row per task, for GRPO with `num_generations` = the episodes per task.
+
+    Args:
+        domain ([`~envs.env.RetailDomain`]): the domain.
+        num_tasks (`int`): rows, tasks `first_task .. first_task + num_tasks - 1`.
+        first_task (`int`, *optional*, defaults to `0`): first task id (e.g. disjoint train and eval sets).
+        conversational (`bool`, *optional*, defaults to `False`): `False` gives the text prompt of the offline
+            protocol ([`AgentRolloutFunc`]); `True` gives messages (system = policy, user = opening) for hub models
+            with tool-calling chat templates and [`~envs.tool_env.RetailToolEnv`].
+
+    Returns:
+        [`~datasets.Dataset`]: columns `prompt` and `task_id`.
+    """
+    num_tasks = check_int("num_tasks", num_tasks, minimum=1)
+    first_task = check_int("first_task", first_task, minimum=0)
+    task_ids = list(range(first_task, first_task + num_tasks))
+    if check_bool("conversational", conversational):
+        prompts = [[{"role": "system", "content": domain.system_prompt},
+                    {"role": "user", "content": domain.task(i).opening}] for i in task_ids]
+    else:
+        prompts = [domain.prompt(i) for i in task_ids]
+    return Dataset.from_dict({"prompt": prompts, "task_id": task_ids})
+
+
+class AgentRolloutFunc:
+    """TRL's `rollout_func`: plays one episode of the retail domain per prompt with the trainer's model.
+
+    Args:
+        domain ([`~envs.env.RetailDomain`]): the domain the dataset was built from.
+        max_turns (`int`, *optional*, defaults to `8`): agent turns per episode.
+        max_tokens (`int`, *optional*, defaults to `1024`): tokens per episode, prompt included.
+    """
+
+    def __init__(self, domain: RetailDomain, *, max_turns: int = 8, max_tokens: int = 1024):
+        self.domain = domain
+        self.max_turns = check_int("max_turns", max_turns, minimum=1)
+        self.max_tokens = check_int("max_tokens", max_tokens, minimum=2)
+
+    def __call__(self, prompts: list, trainer) -> dict[str, list]:
+        from trl.models.utils import unwrap_model_for_generation
+
+        if trainer.use_vllm:
+            raise ValueError(
+                "AgentRolloutFunc generates with the trainer's model; set `use_vllm=False` (vLLM's collective "
+                "generation calls do not fit episodes of different lengths)."
+            )
+        task_ids = [self.domain.task_id_of(prompt) for prompt in prompts]
+        with unwrap_model_for_generation(
+            trainer.model_wrapped, trainer.accelerator, gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+            generation_kwargs=trainer.generation_kwargs,
+            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
+        ) as model:
+            generate = model_generate_fn(model, trainer.processing_class, trainer.generation_config)
+            episodes = play_episodes(self.domain, task_ids, generate, trainer.processing_class,
+                                     max_turns=self.max_turns, max_turn_tokens=trainer.max_completion_length,
+                                     max_tokens=self.max_tokens)
+        return {
+            "prompt_ids": [e.ids[:e.prompt_length] for e in episodes],
+            "completion_ids": [e.ids[e.prompt_length:] for e in episodes],
+            "logprobs": [e.logprobs[e.prompt_length:] for e in episodes],
+            "env_mask": [e.env_mask[e.prompt_length:] for e in episodes],
+            "episode_reward": [e.reward.reward for e in episodes],
+            "success": [e.reward.success for e in episodes],
+            "turn_spans": [[[t.start, t.end] for t in e.turns] for e in episodes],
+            "end_reason": [e.end_reason for e in episodes],
+        }
+
+
+def episode_reward(completions: list, episode_reward: list[float], **kwargs) -> list[float]:
+    """TRL reward function: the reward each episode earned (the `episode_reward` key of [`AgentRolloutFunc`])."""
+    if len(episode_reward) != len(completions):
+        raise ValueError(f"got {len(completions)} completions but {len(episode_reward)} episode rewards; use "
+                         "`episode_reward` together with `AgentRolloutFunc`.")
+    return [float(r) for r in episode_reward]
