@@ -15,9 +15,11 @@ Methods (costs always the true forest cost of each rank's sequences under the de
 - `dta_contiguous`: exact min-max contiguous cut of the sorted batch, least duplication among optimal cuts.
 - `dta_packed`: subtrees of the prefix tree packed onto ranks (largest first, exact union costs, local search).
 - `dta_groups`: strategy "best" with `group_ids`: whole groups only.
-- `dta_equal`: `equal_count=True` (every rank the same number of sequences; whole groups when they allow it).
-- `ffd_tokens`, `ffd_tree_tokens`: whole groups, largest first, onto the least-loaded rank by dense tokens or by the
-  group's own tree tokens. `ffd_tokens_seq`: single sequences by tokens (what a dense trainer's row balancing does).
+- `dta_equal`: `partition_for_ranks`, the trainers' split (every rank the same number of sequences; whole groups
+  when their sizes allow it).
+- `ffd_tokens`, `ffd_tree_tokens` (`baselines/lpt.py`): whole groups, largest first, onto the least-loaded rank by
+  dense tokens or by the group's own tree tokens. `ffd_tokens_seq`: single sequences by tokens (what a dense
+  trainer's row balancing does).
 - `max_sharing`: the contiguous cut that duplicates the fewest tree tokens into K non-empty runs, ignoring balance:
   an upper bound on the compression that any split into K non-empty parts can keep (see `methods`).
 
@@ -39,7 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
-from trl_dta.balance import CostModel, Partition, forest_stats, lpt_partition, partition
+from benchmarks.baselines.lpt import lpt_partition
+from trl_dta.balance import CostModel, Partition, forest_stats, partition, partition_for_ranks
 from trl_dta.tree import PrefixTree
 
 
@@ -100,9 +103,7 @@ def methods(tree: PrefixTree, groups: list[int], k: int, model: CostModel) -> di
         "dta_groups": partition(tree, k, cost_model=model, group_ids=groups),
     }
     if tree.n_sequences % k == 0:  # equal counts need n divisible by k
-        out["dta_equal"] = partition(
-            tree, k, cost_model=model, group_ids=groups, keep_groups=equal_groups, equal_count=True
-        )
+        out["dta_equal"] = partition_for_ranks(tree, k, group_ids=groups if equal_groups else None, cost_model=model)
     out |= {
         "ffd_tokens": lpt_partition(tree, k, weight="tokens", group_ids=groups, cost_model=model),
         "ffd_tree_tokens": lpt_partition(tree, k, weight="tree_tokens", group_ids=groups, cost_model=model),

@@ -1,19 +1,24 @@
 """`trl-dta analyze`: input formats, the numbers it prints, per-rank balance, and errors on malformed input."""
 
 import json
+import random
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import torch
 
+from trl_dta.balance import CostModel, partition_for_ranks
 from trl_dta.cli import AnalysisError, analyze, load_sequences, main
-from trl_dta.flops import ideal_ratio
+from trl_dta.flops import get_model_shape, ideal_ratio
 from trl_dta.tree import PrefixTree
 
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14]]
 COMPLETIONS = [[20 + g, 30, 31] for g in range(4)]
 SEQS = [p + c for p in PROMPTS for c in COMPLETIONS]
+GROUPS = [0] * 4 + [1] * 4
 
 
 def _write_jsonl(path, rows):
@@ -86,6 +91,9 @@ def test_text_with_tokenizer(tmp_path, capsys):
     # prompt + completion text
     src2 = _write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "1+2=3\n4+5=", "completion": a} for a in ("9", "8", "10")])
     assert _run_json(["analyze", src2, "--tokenizer", str(tmp_path / "tok")], capsys)["tokens"] == result["tokens"]
+    # rows with the same prompt text form a group; a single text field gives no groups
+    assert load_sequences(src2, tokenizer=str(tmp_path / "tok"))[1] == [0, 0, 0]
+    assert load_sequences(src, tokenizer=str(tmp_path / "tok"))[1] is None
 
 
 def test_saved_dataset(tmp_path, capsys):
@@ -102,17 +110,63 @@ def test_saved_dataset(tmp_path, capsys):
 
 
 def test_num_processes_balance(tmp_path, capsys):
-    pytest.importorskip("trl_dta.balance")
     src = _write_jsonl(tmp_path / "r.jsonl", [{"input_ids": s, "prompt_idx": i // 4} for i, s in enumerate(SEQS)])
     result = _run_json(["analyze", src, "--num-processes", "2", "--group-field", "prompt_idx"], capsys)
     bal = result["balance"]
-    assert bal is not None
+    assert bal is not None and bal["whole_groups"]
     # groups kept whole: each rank holds one prompt's group, so all sharing survives
     assert bal["compression_kept"] == pytest.approx(1.0)
     assert 0.5 <= bal["max_share"] < 1.0
     assert bal["imbalance"] >= 1.0
     assert main(["analyze", src, "--num-processes", "2"]) == 0
-    assert "per-rank balance (2 processes)" in capsys.readouterr().out
+    assert "per-rank balance (2 processes, single rows)" in capsys.readouterr().out
+
+
+def _expected_balance(seqs, groups, k, batch_size, shape):
+    """The analyzer's balance row recomputed from `partition_for_ranks`, batch by batch."""
+    model = CostModel(hidden_size=get_model_shape(shape).hidden_size)
+    parts = [
+        partition_for_ranks(seqs[i : i + batch_size], k, cost_model=model,
+                            group_ids=None if groups is None else groups[i : i + batch_size])
+        for i in range(0, len(seqs), batch_size)
+    ]
+    return {
+        "imbalance": sum(p.imbalance for p in parts) / len(parts),
+        "worst_imbalance": max(p.imbalance for p in parts),
+        "max_share": sum(p.max_cost / sum(p.costs) for p in parts) / len(parts),
+        "compression_kept": sum(p.compression_kept for p in parts) / len(parts),
+        "whole_groups": groups is not None,
+        "hidden_size": model.hidden_size,
+    }
+
+
+@pytest.mark.parametrize("shape", ["qwen3-1.7b", "bench-cpu-quick"])
+@pytest.mark.parametrize(("k", "batch_size", "grouped"), [(2, 16, True), (4, 16, True), (2, 8, False), (4, 32, False)])
+def test_balance_prediction_is_the_trainers_partition(shape, k, batch_size, grouped):
+    # 8 prompts x 4 completions of uneven lengths: the prediction must be exactly what the trainers' split gives, with
+    # the cost model of the chosen model's width.
+    rng = random.Random(k * 100 + batch_size)
+    seqs, groups = [], []
+    for g in range(8):
+        prompt = [g] + [rng.randrange(50) for _ in range(rng.randrange(5, 60))]
+        for _ in range(4):
+            seqs.append(prompt + [rng.randrange(50) for _ in range(rng.randrange(1, 30))])
+            groups.append(g)
+    group_ids = groups if grouped else None
+    result = analyze(seqs, shape, batch_size=batch_size, num_processes=k, groups=group_ids)
+    assert result["balance"] == _expected_balance(seqs, group_ids, k, batch_size, shape)
+
+
+def test_prompt_completion_input_groups_by_prompt(tmp_path, capsys):
+    rows = [{"prompt_ids": p, "completion_ids": c} for p in PROMPTS for c in COMPLETIONS]
+    src = _write_jsonl(tmp_path / "r.jsonl", rows)
+    seqs, groups = load_sequences(src)
+    assert groups == [0] * 4 + [1] * 4
+    result = _run_json(["analyze", src, "--num-processes", "2", "--model-shape", "qwen2-0.5b"], capsys)
+    assert result["balance"] == _expected_balance(SEQS, groups, 2, 8, "qwen2-0.5b")
+    assert result["balance"]["whole_groups"] and result["balance"]["compression_kept"] == pytest.approx(1.0)
+    single = _run_json(["analyze", src, "--num-processes", "2", "--model-shape", "qwen2-0.5b", "--no-groups"], capsys)
+    assert single["balance"] == _expected_balance(SEQS, None, 2, 8, "qwen2-0.5b")
 
 
 @pytest.mark.parametrize(
@@ -127,11 +181,18 @@ def test_num_processes_balance(tmp_path, capsys):
         (['{"text": "abc"}'], [], "pass --tokenizer"),
         (['[1, 2, 3]'], [], "line 1: expected a JSON object"),
         (['{"prompt_ids": [1]}'], ["--prompt-field", "prompt_ids"], "go together"),
-        (['{"input_ids": [1, 2]}'], ["--batch-size", "0"], "--batch-size must be >= 1"),
-        (['{"input_ids": [1, 2]}'], ["--model-shape", "gpt-9"], "unknown --model-shape"),
+        (['{"input_ids": [1, 2]}'], ["--batch-size", "0"], "argument --batch-size: must be a positive integer, got 0"),
+        (['{"input_ids": [1, 2]}'], ["--model-shape", "gpt-9"], "unknown `model_shape` (--model-shape) 'gpt-9'"),
         (['{"input_ids": [1, 2]}'], ["--text-field", "t"], "--text-field needs --tokenizer"),
         (['{"input_ids": [1, 2]}'], ["--group-field", "g", "--num-processes", "2"], "missing group field 'g'"),
         ([], [], "no rows"),
+        (['{"input_ids": [1, 2.0]}'], [], "line 1, field 'input_ids': token ids must be non-negative integers"),
+        (['{"input_ids": [1, true]}'], [], "line 1, field 'input_ids': token ids must be non-negative integers"),
+        (['{"input_ids": [1, NaN]}'], [], "line 1, field 'input_ids': token ids must be non-negative integers"),
+        (['{"input_ids": null}'], [], "line 1, field 'input_ids': expected a list"),
+        (['{"input_ids": [1, 2]}', '{"input_ids": [1, 2]'], [], "line 2: invalid JSON"),
+        (['{"input_ids": [1], "g": 1.5}'], ["--group-field", "g"], "a group label must be an integer or a string"),
+        (['{"input_ids": [1], "g": true}'], ["--group-field", "g"], "a group label must be an integer or a string"),
     ],
 )
 def test_malformed_input(tmp_path, capsys, lines, args, message):
@@ -147,11 +208,103 @@ def test_missing_file(capsys):
     assert "no such file" in capsys.readouterr().err
 
 
-def test_library_api_errors():
-    with pytest.raises(AnalysisError, match="fraction-of-ideal"):
-        analyze(SEQS, fraction_of_ideal=1.5)
-    with pytest.raises(AnalysisError, match="num-processes"):
-        analyze(SEQS, num_processes=0)
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"seqs": []}, AnalysisError, "`seqs` is empty"),
+        ({"seqs": "abc"}, TypeError, "`seqs` must be an ordered iterable"),
+        ({"seqs": 5}, TypeError, "`seqs` must be an ordered iterable"),
+        ({"seqs": torch.ones(2, 3, dtype=torch.long)}, TypeError, "from_padded"),
+        ({"seqs": [[1, 2.0]]}, TypeError, r"`seqs\[0\]\[1\]` must be an integer token id"),
+        ({"seqs": [[1, True]]}, TypeError, r"`seqs\[0\]\[1\]` must be an integer token id"),
+        ({"seqs": [torch.tensor([1.0, 2.0])]}, TypeError, r"`seqs\[0\]` must hold integer token ids"),
+        ({"seqs": SEQS + [[1, -2]], "batch_size": 3}, ValueError,
+         r"`seqs\[2\]` has a negative token id \(-2\); .* \(batch 2: `seqs\[6:9\]`; the index counts from the batch"),
+        ({"model_shape": "gpt-9"}, AnalysisError, r"unknown `model_shape` \(--model-shape\) 'gpt-9'"),
+        ({"model_shape": 5}, TypeError, "`model_shape` must be a name in"),
+        ({"model_shape": None}, TypeError, "`model_shape` must be a name in"),
+        ({"batch_size": 0}, ValueError, "`batch_size` must be None or a positive integer"),
+        ({"batch_size": True}, TypeError, "`batch_size` must be None or a positive integer"),
+        ({"batch_size": 4.0}, TypeError, "`batch_size` must be None or a positive integer"),
+        ({"batch_size": "4"}, TypeError, "`batch_size` must be None or a positive integer"),
+        ({"num_processes": 0}, ValueError, "`num_processes` must be None or a positive integer"),
+        ({"num_processes": -2}, ValueError, "`num_processes` must be None or a positive integer"),
+        ({"num_processes": True}, TypeError, "`num_processes` must be None or a positive integer"),
+        ({"num_processes": 2.0}, TypeError, "`num_processes` must be None or a positive integer"),
+        ({"num_processes": 3}, AnalysisError, r"8 sequences, not a multiple of `num_processes` \(--num-processes\)"),
+        ({"num_processes": 2, "batch_size": 3}, AnalysisError, "batch 0 has 3 sequences"),
+        ({"num_processes": 3, "batch_size": 6}, AnalysisError, "batch 1 has 2 sequences"),
+        ({"num_processes": 2, "groups": [0, 0, 0, 1, 1, 1, 1, 1]}, AnalysisError, "cannot be dealt out whole"),
+        ({"num_processes": 4, "groups": [0] * 4 + [1] * 4}, AnalysisError, "cannot be dealt out whole"),
+        ({"groups": [0, 1]}, ValueError, "`groups` must give one group id per sequence: got 2 ids for 8"),
+        ({"groups": [[0]] * 8}, TypeError, r"`groups\[0\]` must be an integer or a string"),
+        ({"groups": [0.0] * 8}, TypeError, r"`groups\[0\]` must be an integer or a string"),
+        ({"groups": torch.zeros(8)}, TypeError, "`groups` must be 1-D with integer or string labels"),
+        ({"fraction_of_ideal": 0}, ValueError, "`fraction_of_ideal` must be a finite number > 0"),
+        ({"fraction_of_ideal": -0.5}, ValueError, "`fraction_of_ideal` must be a finite number > 0"),
+        ({"fraction_of_ideal": float("nan")}, ValueError, "`fraction_of_ideal` must be a finite number > 0"),
+        ({"fraction_of_ideal": float("inf")}, ValueError, "`fraction_of_ideal` must be a finite number > 0"),
+        ({"fraction_of_ideal": "0.8"}, TypeError, "`fraction_of_ideal` must be a finite number > 0"),
+        ({"fraction_of_ideal": True}, TypeError, "`fraction_of_ideal` must be a finite number > 0"),
+    ],
+)
+def test_library_api_errors(kwargs, error, match):
+    kwargs = {"seqs": SEQS, **kwargs}
+    with pytest.raises(error, match=match):
+        analyze(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "same_as"),
+    [
+        ({"seqs": (s for s in SEQS)}, {}),
+        ({"seqs": [torch.tensor(s) for s in SEQS]}, {}),
+        ({"model_shape": "QWEN2-0.5B"}, {"model_shape": "qwen2-0.5b"}),
+        ({"model_shape": get_model_shape("qwen2-0.5b")}, {"model_shape": "qwen2-0.5b"}),
+        ({"num_processes": 2, "groups": torch.tensor(GROUPS)}, {"num_processes": 2, "groups": GROUPS}),
+        ({"num_processes": 2, "groups": ["a"] * 4 + ["b"] * 4}, {"num_processes": 2, "groups": GROUPS}),
+        ({"num_processes": np.int64(2), "batch_size": np.int32(4)}, {"num_processes": 2, "batch_size": 4}),
+    ],
+)
+def test_library_api_equivalent_inputs(kwargs, same_as):
+    assert analyze(**{"seqs": SEQS, **kwargs}) == analyze(**{"seqs": SEQS, **same_as})
+
+
+def test_fraction_of_ideal_above_one():
+    # benchmarks/RESULTS.md measures fractions above 1 on CPU: a user may pass what they measure.
+    result = analyze(SEQS, fraction_of_ideal=1.1)
+    assert result["predicted_speedup"] == pytest.approx(max(result["ideal_speedup"] * 1.1, 1.0))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--num-processes", "0"], "argument --num-processes: must be a positive integer, got 0"),
+        (["--num-processes", "2.5"], "argument --num-processes: must be a positive integer, got '2.5'"),
+        (["--num-processes", "two"], "argument --num-processes: must be a positive integer, got 'two'"),
+        (["--batch-size", "-3"], "argument --batch-size: must be a positive integer, got -3"),
+        (["--fraction-of-ideal", "nan"], "argument --fraction-of-ideal: must be a finite number > 0, got 'nan'"),
+        (["--fraction-of-ideal", "0"], "argument --fraction-of-ideal: must be a finite number > 0, got '0'"),
+        (["--fraction-of-ideal", "x"], "argument --fraction-of-ideal: must be a finite number > 0, got 'x'"),
+        (["--num-processes", "3"], "8 sequences, not a multiple of `num_processes` (--num-processes) = 3"),
+        (["--num-processes", "4", "--group-field", "g"], "cannot be dealt out whole"),
+        (["--group-field", "bad"], "group field 'bad': a group label must be an integer or a string"),
+        (["--group-field", "g", "--no-groups"], "--no-groups and --group-field contradict"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line(tmp_path, capsys, args, message):
+    rows = [{"input_ids": s, "g": i // 4, "bad": [i]} for i, s in enumerate(SEQS)]
+    src = _write_jsonl(tmp_path / "r.jsonl", rows)
+    assert main(["analyze", src] + args) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert err.count("\n") == 1 and err.startswith("trl-dta"), err
+
+
+def test_help_exits_0(capsys):
+    assert main(["analyze", "--help"]) == 0
+    assert "benchmarks/RESULTS.md" in capsys.readouterr().out
 
 
 def test_load_sequences_with_groups(tmp_path):
@@ -167,3 +320,24 @@ def test_console_entry_point(tmp_path):
     out = subprocess.run([sys.executable, "-m", "trl_dta.cli", "analyze", src], capture_output=True, text=True,
                          check=True)
     assert "compression ratio" in out.stdout
+
+
+def test_not_utf8(tmp_path, capsys):
+    src = tmp_path / "latin1.jsonl"
+    src.write_bytes(b'{"input_ids": [1, 2]}\n{"text": "caf\xe9"}\n')
+    assert main(["analyze", str(src)]) == 2
+    assert "line 2: not UTF-8 text" in capsys.readouterr().err
+
+
+def test_model_shape_from_config_path(tmp_path, capsys):
+    # A config folder gives the FLOP counts and the balance cost model of that model's width.
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=300)
+    config.save_pretrained(tmp_path / "tiny-qwen")
+    src = _write_jsonl(tmp_path / "r.jsonl", [{"input_ids": s} for s in SEQS])
+    result = _run_json(["analyze", src, "--model-shape", str(tmp_path / "tiny-qwen"), "--num-processes", "2"], capsys)
+    assert result["model_shape"] == "tiny-qwen"
+    assert result["balance"] == _expected_balance(SEQS, None, 2, 8, config)
+    assert result["balance"]["hidden_size"] == 96

@@ -15,15 +15,19 @@ all rows form one batch). For each batch the prefix tree is built; the table rep
 ideal FLOP speed-up (`trl_dta.flops`: dense FLOPs over tree FLOPs, forward + backward, for `--model-shape`).
 
 The *predicted* DTA speed-up is `ideal x f`: `f` (`--fraction-of-ideal`, default 0.8) is the fraction of the ideal
-FLOP speed-up that DTA reached over TRL's dense path in the repository's benchmarks (`benchmarks/RESULTS.md`: 0.75-1.0
-on CPU for GRPO and multi-turn batches, lowest when a tree has many short segments). It folds in what the FLOP count
-leaves out (per-forward overhead, sibling padding, small matmuls). It is a rough guide, not a promise: measure with
-`python -m benchmarks.bench_engine` on your hardware and pass the fraction you see. It is never below 1x: the DTA
+FLOP speed-up that DTA reaches over TRL's dense path. The measured fractions, per workload and device, are the
+`fraction_of_ideal` column of `benchmarks/RESULTS.md`; they depend on the hardware and on the batch (lowest when a
+tree has many short segments), so the default is a conservative guess, not a measurement. It folds in what the FLOP
+count leaves out (per-forward overhead, sibling padding, small matmuls). Measure with `python -m
+benchmarks.bench_engine` on your hardware and pass the fraction you see. The prediction is never below 1x: the DTA
 trainers run batches that compress less than `dta_min_compression` through TRL's dense path.
 
-With `--num-processes K` each batch is split across `K` ranks by `trl_dta.balance.partition` (groups kept together
-with `--group-field`); the table adds the most loaded rank's share, the imbalance (max / mean forest cost) and the
-fraction of the single-forest compression that survives the split.
+With `--num-processes K` each batch is split across `K` ranks exactly as the DTA trainers split a generation batch
+(`trl_dta.balance.partition_for_ranks`: the same number of rows per rank, whole groups, costs from a `CostModel` with
+the hidden size of `--model-shape`). Groups are the `--group-field` labels, else (for prompt + completion input) the
+rows with the same prompt; `--no-groups` lets rows move singly. Every batch must split into `K` equal parts, and the
+groups into whole groups per rank. The table adds the most loaded rank's share, the imbalance (max / mean forest
+cost) and the fraction of the single-forest compression that survives the split.
 """
 
 from __future__ import annotations
@@ -34,11 +38,16 @@ import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import numpy as np
+
+from ._checks import check_float, check_int
+
 
 __all__ = ["AnalysisError", "analyze", "load_sequences", "main"]
 
-# Fraction of the ideal FLOP speed-up that DTA reaches over dense (benchmarks/RESULTS.md, CPU runs: 0.75-1.0), used by
-# `trl-dta analyze` for its predicted speed-up; override with --fraction-of-ideal.
+# Fraction of the ideal FLOP speed-up assumed for `trl-dta analyze`'s predicted speed-up when none is given: a
+# conservative guess below the measured `fraction_of_ideal` values of benchmarks/RESULTS.md; override with
+# --fraction-of-ideal.
 DEFAULT_FRACTION_OF_IDEAL = 0.8
 
 
@@ -59,7 +68,8 @@ def _ids(value, where: str) -> list[int]:
 
 
 class _RowParser:
-    """Turns one record (dict) into a list of token ids according to the command-line options."""
+    """Turns one record (dict) into a list of token ids according to the command-line options, and the row's prompt
+    (a tuple of ids or a string) when it is read as a prompt + completion pair, else None."""
 
     def __init__(self, field: str | None, prompt_field: str | None, completion_field: str | None,
                  text_field: str | None, tokenizer):
@@ -68,59 +78,70 @@ class _RowParser:
         if (prompt_field is None) != (completion_field is None):
             raise AnalysisError("--prompt-field and --completion-field go together; give both or neither")
 
-    def __call__(self, row, where: str) -> list[int]:
+    def __call__(self, row, where: str) -> tuple[list[int], tuple | str | None]:
         if not isinstance(row, dict):
             raise AnalysisError(f"{where}: expected a JSON object, got {type(row).__name__}")
         if self.tokenizer is not None:
             return self._text(row, where)
-        if self.prompt_field is not None:
-            fields = [self.prompt_field, self.completion_field]
-        elif self.field is not None:
-            fields = [self.field]
-        elif "input_ids" in row:
-            fields = ["input_ids"]
-        elif "prompt_ids" in row and "completion_ids" in row:
-            fields = ["prompt_ids", "completion_ids"]
-        else:
+        fields = _fields(row, (self.prompt_field, self.completion_field), self.field, _ID_FIELDS)
+        if fields is None:
             text = [k for k in ("text", "prompt", "completion", "messages") if k in row]
             hint = f"; it has text fields {text}: pass --tokenizer NAME_OR_PATH" if text else ""
             raise AnalysisError(
                 f"{where}: no token ids: expected field 'input_ids' (or --field NAME, or prompt_ids + "
-                "completion_ids); "
-                f"fields present: {sorted(row)}{hint}"
+                f"completion_ids); fields present: {sorted(row)}{hint}"
             )
-        out: list[int] = []
-        for f in fields:
-            if f not in row:
-                raise AnalysisError(f"{where}: missing field '{f}' (fields present: {sorted(row)})")
-            out += _ids(row[f], f"{where}, field '{f}'")
-        return out
+        parts = [_ids(_field(row, f, where), f"{where}, field '{f}'") for f in fields]
+        return [t for part in parts for t in part], tuple(parts[0]) if len(parts) == 2 else None
 
-    def _text(self, row, where: str) -> list[int]:
-        if self.text_field is not None:
-            fields = [self.text_field]
-        elif "text" in row:
-            fields = ["text"]
-        elif "prompt" in row and "completion" in row:
-            fields = ["prompt", "completion"]
-        else:
+    def _text(self, row, where: str) -> tuple[list[int], str | None]:
+        fields = _fields(row, (None, None), self.text_field, _TEXT_FIELDS)
+        if fields is None:
             raise AnalysisError(
                 f"{where}: no text: expected field 'text' (or --text-field NAME, or prompt + completion); "
                 f"fields present: {sorted(row)}"
             )
-        text = ""
-        for f in fields:
-            if f not in row:
-                raise AnalysisError(f"{where}: missing field '{f}' (fields present: {sorted(row)})")
-            if not isinstance(row[f], str):
-                raise AnalysisError(f"{where}, field '{f}': expected a string, got {type(row[f]).__name__}")
-            text += row[f]
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        parts = [_field(row, f, where) for f in fields]
+        for f, part in zip(fields, parts):
+            if not isinstance(part, str):
+                raise AnalysisError(f"{where}, field '{f}': expected a string, got {type(part).__name__}")
+        ids = list(self.tokenizer("".join(parts), add_special_tokens=False)["input_ids"])
+        return ids, parts[0] if len(parts) == 2 else None
+
+
+# Fields read when none is named, in order of preference: one field, or a prompt + completion pair.
+_ID_FIELDS = (("input_ids",), ("prompt_ids", "completion_ids"))
+_TEXT_FIELDS = (("text",), ("prompt", "completion"))
+
+
+def _fields(row: dict, pair: tuple, single: str | None, defaults: tuple) -> list[str] | None:
+    """The fields to read: the named pair, else the named single field, else the first default present in `row`."""
+    if pair[0] is not None:
+        return list(pair)
+    if single is not None:
+        return [single]
+    return next((list(names) for names in defaults if all(n in row for n in names)), None)
+
+
+def _field(row: dict, name: str, where: str):
+    if name not in row:
+        raise AnalysisError(f"{where}: missing field '{name}' (fields present: {sorted(row)})")
+    return row[name]
+
+
+def _group_label(value, where: str):
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise AnalysisError(f"{where}: a group label must be an integer or a string, got {value!r}")
+    return value
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[dict, str]]:
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise AnalysisError(f"{path.name} line {n}: not UTF-8 text ({e.reason} at byte {e.start})") from None
             if not line.strip():
                 continue
             try:
@@ -159,7 +180,7 @@ def load_sequences(
     split: str | None = None,
     group_field: str | None = None,
 ) -> tuple[list[list[int]], list | None]:
-    """Read rollouts as token-id lists (and group labels when `group_field` is given).
+    """Read rollouts as token-id lists, and their group labels.
 
     Args:
         source (`str`): a `.jsonl`/`.json` file (one JSON object per line), a folder written by
@@ -170,7 +191,13 @@ def load_sequences(
             `prompt` + `completion`).
         tokenizer (`str`, *optional*): name or path for `transformers.AutoTokenizer` (text input).
         split (`str`, *optional*): dataset split.
-        group_field (`str`, *optional*): a per-row group label (e.g. the prompt index), kept together across ranks.
+        group_field (`str`, *optional*): a per-row group label (an integer or a string, e.g. the prompt index), kept
+            together across ranks.
+
+    Returns:
+        `(seqs, groups)`: the token-id lists, and a group label per row: the `group_field` values; else, when rows are
+        read as prompt + completion, the index of each row's prompt (rows with the same prompt form a group, as a
+        prompt's completions do in GRPO); else `None`.
 
     Raises:
         [`AnalysisError`]: on malformed input, naming the line (or row) and the field.
@@ -190,59 +217,74 @@ def load_sequences(
         rows = _dataset_rows(source, split)
     else:
         raise AnalysisError(f"{source}: no such file")
-    seqs, groups = [], [] if group_field else None
+    seqs, labels, prompts = [], [], {}
     for row, where in rows:
-        seqs.append(parse(row, where))
+        ids, prompt = parse(row, where)
+        seqs.append(ids)
         if group_field:
             if group_field not in row:
                 raise AnalysisError(f"{where}: missing group field '{group_field}'")
-            groups.append(row[group_field])
+            labels.append(_group_label(row[group_field], f"{where}, group field '{group_field}'"))
+        elif prompt is not None:
+            labels.append(prompts.setdefault(prompt, len(prompts)))
     if not seqs:
         raise AnalysisError(f"{source}: no rows")
-    return seqs, groups
+    return seqs, labels if len(labels) == len(seqs) else None
 
 
 # ------------------------------------------------------------------------------------------------------ analysis
 
 
 def analyze(
-    seqs: list[list[int]],
+    seqs,
     model_shape="qwen3-1.7b",
     batch_size: int | None = None,
     num_processes: int | None = None,
-    groups: list | None = None,
+    groups=None,
     fraction_of_ideal: float = DEFAULT_FRACTION_OF_IDEAL,
 ) -> dict:
     """Prefix-sharing statistics of rollouts and the speed-ups DTA can give on them.
 
     Args:
-        seqs (`list[list[int]]`): the rollouts, in order.
-        model_shape (`str`, [`~trl_dta.flops.ModelShape`] or a `transformers` config): for the FLOP counts.
+        seqs (`list[list[int]]`): the rollouts, in order (lists of token ids or 1-D integer tensors; not empty).
+        model_shape (`str`, [`~trl_dta.flops.ModelShape`] or a `transformers` config, *optional*, defaults to
+            `"qwen3-1.7b"`): for the FLOP counts and the balance cost model's hidden size.
         batch_size (`int`, *optional*): sequences per global batch (default: one batch of all).
-        num_processes (`int`, *optional*): ranks to balance each batch over.
-        groups (`list`, *optional*): a group label per sequence (kept on one rank).
-        fraction_of_ideal (`float`, *optional*): see the module docstring.
+        num_processes (`int`, *optional*): ranks to balance each batch over, as the DTA trainers do
+            ([`~trl_dta.balance.partition_for_ranks`]); it must divide the size of every batch.
+        groups (sequence of `int` or `str`, *optional*): a group label per sequence; groups are dealt out whole, so
+            all groups of a batch must have one size `G` with `batch / num_processes` a multiple of `G`.
+        fraction_of_ideal (`float`, *optional*, defaults to `0.8`): see the module docstring.
 
     Returns:
         `dict` of the table's values (`balance` is `None` without `num_processes`, or a dict of its row).
+
+    Raises:
+        [`AnalysisError`] (a `ValueError`) or `TypeError`: on a bad argument, naming it and the fix.
     """
-    from .flops import dense_flops, get_model_shape, tree_flops
+    from .balance import CostModel
+    from .balance.partition import check_group_ids
+    from .flops import dense_flops, tree_flops
     from .tree import PrefixTree
 
-    shape = get_model_shape(model_shape)
-    if batch_size is not None and batch_size < 1:
-        raise AnalysisError(f"--batch-size must be >= 1, got {batch_size}")
-    if num_processes is not None and num_processes < 1:
-        raise AnalysisError(f"--num-processes must be >= 1, got {num_processes}")
-    if not 0 < fraction_of_ideal <= 1:
-        raise AnalysisError(f"--fraction-of-ideal must be in (0, 1], got {fraction_of_ideal}")
-    size = batch_size or len(seqs)
+    shape = _model_shape(model_shape)
+    if not isinstance(seqs, list):  # any iterable: checked by the tree (which names a bad sequence), read once
+        seqs = PrefixTree.from_sequences(seqs).seqs
+    if not seqs:
+        raise AnalysisError("`seqs` is empty: there is nothing to analyze")
+    size = check_int("batch_size", batch_size, minimum=1, allow_none=True) or len(seqs)
+    k = check_int("num_processes", num_processes, minimum=1, allow_none=True)
+    fraction_of_ideal = check_float("fraction_of_ideal", fraction_of_ideal, minimum=0.0, exclusive=True)
+    batches = [(start, min(start + size, len(seqs))) for start in range(0, len(seqs), size)]
+    labels = check_group_ids(groups, len(seqs), name="groups")
+    if k is not None:
+        _check_splittable(batches, k, labels)
+    cost_model = CostModel(hidden_size=shape.hidden_size)
     totals = dict(batches=0, sequences=0, tokens=0, tree_tokens=0, max_len=0, max_segments_depth=0,
                   dense_flops=0.0, tree_flops=0.0)
-    balance = dict(max_share=[], imbalance=[], compression_kept=[], rank_tree_tokens_max=0.0, dense_max=0.0)
-    for start in range(0, len(seqs), size):
-        batch = seqs[start : start + size]
-        tree = PrefixTree.from_sequences(batch)
+    balance = dict(max_share=[], imbalance=[], compression_kept=[])
+    for i, (start, end) in enumerate(batches):
+        tree = _batch_tree(seqs, start, end, i)
         totals["batches"] += 1
         totals["sequences"] += tree.n_sequences
         totals["tokens"] += tree.n_tokens
@@ -251,38 +293,92 @@ def analyze(
         totals["max_segments_depth"] = max(totals["max_segments_depth"], tree.depth)
         totals["dense_flops"] += dense_flops(tree.lengths, shape).total
         totals["tree_flops"] += tree_flops(tree, shape).total
-        if num_processes:
-            _balance(batch, tree, num_processes, groups[start : start + size] if groups else None, balance)
+        if k is not None:
+            _balance(tree, k, None if labels is None else labels[start:end], cost_model, balance)
     ideal = totals["dense_flops"] / totals["tree_flops"] if totals["tree_flops"] else 1.0
     result = {
         **totals,
-        "mean_len": totals["tokens"] / max(totals["sequences"], 1),
+        "mean_len": totals["tokens"] / totals["sequences"],
         "compression_ratio": totals["tokens"] / totals["tree_tokens"] if totals["tree_tokens"] else 1.0,
         "model_shape": shape.name,
         "ideal_speedup": ideal,
         "fraction_of_ideal": fraction_of_ideal,
         # the trainers send batches that compress less than `dta_min_compression` down TRL's dense path: never < 1x
         "predicted_speedup": max(ideal * fraction_of_ideal, 1.0),
-        "num_processes": num_processes,
+        "num_processes": k,
         "balance": None,
     }
-    if num_processes and balance["imbalance"]:
+    if k is not None:
         n = len(balance["imbalance"])
         result["balance"] = {
             "imbalance": sum(balance["imbalance"]) / n,
             "worst_imbalance": max(balance["imbalance"]),
             "max_share": sum(balance["max_share"]) / n,
             "compression_kept": sum(balance["compression_kept"]) / n,
+            "whole_groups": labels is not None,
+            "hidden_size": cost_model.hidden_size,
         }
     return result
 
 
-def _balance(batch, tree, k: int, groups, acc: dict) -> None:
+def _batch_tree(seqs: list, start: int, end: int, i: int):
+    """The prefix tree of `seqs[start:end]`; a bad sequence's error says where the batch starts."""
+    from .tree import PrefixTree
+
     try:
-        from .balance import partition
-    except ImportError:  # balance.py is optional for the analyzer
-        return
-    part = partition(tree, k, group_ids=groups)
+        return PrefixTree.from_sequences(seqs[start:end])
+    except (TypeError, ValueError) as e:
+        if start == 0:
+            raise
+        raise type(e)(f"{e} (batch {i}: `seqs[{start}:{end}]`; the index counts from the batch start)") from None
+
+
+def _model_shape(model_shape):
+    """The `ModelShape` of a name, a config path, a `ModelShape` or a config; errors name `model_shape` and the
+    choices."""
+    from .flops import MODEL_SHAPES, ModelShape, get_model_shape
+
+    if isinstance(model_shape, str) and model_shape.lower() not in MODEL_SHAPES:
+        path = Path(model_shape)
+        if not path.exists():
+            raise AnalysisError(f"unknown `model_shape` (--model-shape) {model_shape!r}: choose one of "
+                                f"{sorted(MODEL_SHAPES)} or give a config path")
+        from transformers import AutoConfig
+
+        return ModelShape.from_config(AutoConfig.from_pretrained(model_shape), name=path.name or model_shape)
+    if not isinstance(model_shape, (str, ModelShape)) and not hasattr(model_shape, "hidden_size"):
+        raise TypeError(
+            f"`model_shape` must be a name in {sorted(MODEL_SHAPES)}, a `ModelShape` or a `transformers` config, got "
+            f"{type(model_shape).__name__}"
+        )
+    return get_model_shape(model_shape)
+
+
+def _check_splittable(batches: list[tuple[int, int]], k: int, labels) -> None:
+    """Refuse batches the trainers could not split: every rank gets the same number of rows, groups whole."""
+    for i, (start, end) in enumerate(batches):
+        rows = end - start
+        if rows % k:
+            raise AnalysisError(
+                f"batch {i} has {rows} sequences, not a multiple of `num_processes` (--num-processes) = {k}: the DTA "
+                "trainers give every rank the same number of rows. Choose a batch size (--batch-size) that is a "
+                f"multiple of {k} and divides the number of sequences"
+            )
+        if labels is None:
+            continue
+        sizes = sorted(set(np.unique(labels[start:end], return_counts=True)[1].tolist()))
+        if len(sizes) > 1 or (rows // k) % sizes[0]:
+            raise AnalysisError(
+                f"batch {i}: groups of sizes {sizes} cannot be dealt out whole with {rows // k} rows per rank, as the "
+                "DTA trainers do (one group size G, rows per rank a multiple of G). Choose a batch size that is a "
+                "multiple of num_processes x G, or balance single rows (--no-groups, or `groups=None`)"
+            )
+
+
+def _balance(tree, k: int, groups, cost_model, acc: dict) -> None:
+    from .balance import partition_for_ranks
+
+    part = partition_for_ranks(tree, k, group_ids=groups, cost_model=cost_model)
     total = sum(part.costs)
     acc["imbalance"].append(part.imbalance)
     acc["max_share"].append(part.max_cost / total if total else 0.0)
@@ -306,14 +402,13 @@ def format_table(result: dict) -> str:
     bal = result.get("balance")
     if bal is not None:
         k = result["num_processes"]
+        unit = "whole groups" if bal["whole_groups"] else "single rows"
         rows += [
-            (f"per-rank balance ({k} processes): max / mean cost",
+            (f"per-rank balance ({k} processes, {unit}): max / mean cost",
              f"{bal['imbalance']:.3f} (worst batch {bal['worst_imbalance']:.3f})"),
             ("  most loaded rank's share of the work", f"{bal['max_share']:.1%} (ideal {1 / k:.1%})"),
             ("  compression kept after the split", f"{bal['compression_kept']:.1%}"),
         ]
-    elif result.get("num_processes"):
-        rows.append((f"per-rank balance ({result['num_processes']} processes)", "unavailable (trl_dta.balance)"))
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
@@ -321,8 +416,34 @@ def format_table(result: dict) -> str:
 # ------------------------------------------------------------------------------------------------------ CLI
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (`trl-dta analyze: error: ...`) and exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    """An argparse type: a positive integer (argparse names the flag in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    """An argparse type for --fraction-of-ideal: a finite number > 0."""
+    try:
+        return check_float("fraction_of_ideal", float(text), minimum=0.0, exclusive=True)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}") from None
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trl-dta", description="Dynamic Tree Attention for TRL: tools.")
+    parser = _Parser(prog="trl-dta", description="Dynamic Tree Attention for TRL: tools.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("analyze", help="prefix sharing and predicted DTA speed-up of a set of rollouts",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -334,43 +455,40 @@ def _parser() -> argparse.ArgumentParser:
                    "prompt+completion)")
     p.add_argument("--tokenizer", default=None, help="tokenizer name or path for text input")
     p.add_argument("--split", default=None, help="dataset split")
-    p.add_argument("--group-field", default=None, help="per-row group label kept on one rank (e.g. prompt index)")
-    p.add_argument("--batch-size", type=int, default=None, help="sequences per global batch (default: all)")
-    p.add_argument("--num-processes", type=int, default=None, help="ranks to balance each batch over")
+    p.add_argument("--group-field", default=None, help="per-row group label kept on one rank (default: the prompt "
+                   "for prompt + completion input)")
+    p.add_argument("--no-groups", action="store_true", help="balance single rows (no group is kept whole)")
+    p.add_argument("--batch-size", type=_positive_int, default=None,
+                   help="sequences per global batch (default: all)")
+    p.add_argument("--num-processes", type=_positive_int, default=None,
+                   help="ranks to balance each batch over, as the DTA trainers do")
     p.add_argument("--model-shape", default="qwen3-1.7b",
-                   help="model for FLOP counts: a name (qwen3-1.7b, qwen2-0.5b, bench-cpu, ...) or a config path")
-    p.add_argument("--fraction-of-ideal", type=float, default=DEFAULT_FRACTION_OF_IDEAL,
-                   help="fraction of the ideal speed-up DTA reaches (benchmarks/RESULTS.md)")
+                   help="model for FLOP counts and the balance cost model: a name (qwen3-1.7b, qwen2-0.5b, bench-cpu, "
+                   "...) or a config path")
+    p.add_argument("--fraction-of-ideal", type=_fraction, default=DEFAULT_FRACTION_OF_IDEAL,
+                   help="fraction of the ideal speed-up DTA reaches (measured values: benchmarks/RESULTS.md)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     return parser
 
 
-def _shape(name: str):
-    from .flops import MODEL_SHAPES, ModelShape
-
-    if name.lower() in MODEL_SHAPES:
-        return name
-    path = Path(name)
-    if path.exists():
-        from transformers import AutoConfig
-
-        return ModelShape.from_config(AutoConfig.from_pretrained(name), name=path.name or name)
-    raise AnalysisError(f"unknown --model-shape {name!r}: choose one of {sorted(MODEL_SHAPES)} or give a config path")
-
-
 def main(argv: list[str] | None = None) -> int:
-    """`trl-dta` console entry point; returns the exit code (2 on bad input)."""
-    parser = _parser()
-    args = parser.parse_args(argv)
+    """`trl-dta` console entry point; returns the exit code (2 on bad input, with a one-line message)."""
     try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a malformed flag (2, after a one-line message)
+        return int(e.code or 0)
+    try:
+        if args.no_groups and args.group_field is not None:
+            raise AnalysisError("--no-groups and --group-field contradict each other; give one")
         seqs, groups = load_sequences(
             args.source, field=args.field, prompt_field=args.prompt_field, completion_field=args.completion_field,
             text_field=args.text_field, tokenizer=args.tokenizer, split=args.split, group_field=args.group_field,
         )
-        result = analyze(seqs, _shape(args.model_shape), args.batch_size, args.num_processes, groups,
-                         args.fraction_of_ideal)
-    except (AnalysisError, ValueError, FileNotFoundError) as e:
-        print(f"trl-dta analyze: error: {e}", file=sys.stderr)
+        result = analyze(seqs, args.model_shape, args.batch_size, args.num_processes,
+                         None if args.no_groups else groups, args.fraction_of_ideal)
+    except (ValueError, TypeError, OSError) as e:
+        message = " ".join(str(e).split())
+        print(f"trl-dta analyze: error: {message}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     return 0
