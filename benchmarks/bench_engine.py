@@ -1,5 +1,8 @@
 """Engine benchmark (issue 2): dense micro-batches vs packed tree mask vs `DTAEngine.forward_backward`.
 
+Dense runs with `--micro-batch-size` rows per micro-batch (`dense`, one row by default) and with TRL's default
+micro-batch of 8 padded rows (`dense-mb8`); speed ratios are against the faster of the two (`common.fill_ratios`).
+
 One training step = `provider.forward_backward(seqs, loss_fn)` + AdamW step, on a Qwen2-shaped model with random
 weights (hidden 512, 8 layers, GQA 8/2 heads, vocab 8192, fp32 on CPU). Each (workload, method) runs in a fresh
 forked process so that its peak memory is its own. Workloads:
@@ -58,7 +61,8 @@ class MethodConfig:
     """Knobs of the providers (the same for every workload of a run).
 
     Args:
-        micro_batch_size (`int`): dense rows per micro-batch.
+        micro_batch_size (`int`): rows per micro-batch of `dense` and `dense+ckpt` (`dense-mb8` runs
+            `TRL_MICRO_BATCH_SIZE`).
         sparse_attention (`str`): `"blocks"` or `"mask"` (see `baselines/sparse.py`).
         sparse_max_tokens (`int`): tree tokens per packed micro-batch.
         dta_max_batch_tokens (`int`): DTA sibling-batch budget (padded tokens per forward).
@@ -66,7 +70,7 @@ class MethodConfig:
             `dta-lowmem` uses `dta_lowmem_graph_tokens`.
     """
 
-    micro_batch_size: int = field(default=1, metadata={"help": "Dense rows per micro-batch."})
+    micro_batch_size: int = field(default=1, metadata={"help": "Rows per micro-batch of `dense` and `dense+ckpt`."})
     sparse_attention: str = field(default="blocks", metadata={"help": "'blocks' or 'mask'."})
     sparse_max_tokens: int = field(default=8192, metadata={"help": "Tree tokens per packed micro-batch."})
     dta_max_batch_tokens: int = field(default=8192, metadata={"help": "DTA sibling-batch budget."})
@@ -85,8 +89,13 @@ class MethodConfig:
         return kwargs
 
 
+# TRL's default micro-batch: `GRPOConfig.per_device_train_batch_size` (inherited from `TrainingArguments`, 8 in
+# transformers 5.x), padded rows run together: what a user who keeps TRL's defaults gets (checkpointing aside).
+TRL_MICRO_BATCH_SIZE = 8
+
 PROVIDERS: dict[str, Callable] = {
     "dense": lambda model, cfg: DenseProvider(model, micro_batch_size=cfg.micro_batch_size),
+    "dense-mb8": lambda model, cfg: DenseProvider(model, micro_batch_size=TRL_MICRO_BATCH_SIZE),
     "dense+ckpt": lambda model, cfg: DenseProvider(model, micro_batch_size=cfg.micro_batch_size,
                                                    gradient_checkpointing=True),
     "sparse": lambda model, cfg: SparseProvider(model, attention=cfg.sparse_attention,
@@ -149,8 +158,8 @@ class MethodRun:
 
     def result(self) -> dict:
         tree, times = self.tree, sorted(self.times)
-        if self.method.startswith("dense"):
-            work = padded_dense_flops(tree.lengths, self.shape, self.cfg.micro_batch_size).total
+        if isinstance(self.provider, DenseProvider):
+            work = padded_dense_flops(tree.lengths, self.shape, self.provider.micro_batch_size).total
         else:
             work = tree_flops(tree, self.shape).total
         return {
@@ -270,13 +279,14 @@ def run_grid(
 
 
 def check_losses(rows: list[dict], rtol: float = 1e-3) -> None:
-    """Flag methods whose first-step loss differs from dense's: every provider computes the same loss."""
+    """Flag methods whose first-step loss differs from a plain dense variant's: every provider computes the same loss."""
     for row in rows:
-        ref = next((r for r in rows if r["workload"] == row["workload"] and r["method"] == "dense"), None)
+        ref = next((r for r in rows if r["workload"] == row["workload"] and r["method"] in common.DENSE_VARIANTS
+                    and r.get("loss") is not None), None)
         if ref is None or ref.get("loss") is None or row.get("loss") is None:
             continue
         if abs(row["loss"] - ref["loss"]) > rtol * max(abs(ref["loss"]), 1e-6):
-            row["error"] = f"loss {row['loss']:.6g} != dense {ref['loss']:.6g}"
+            row["error"] = f"loss {row['loss']:.6g} != {ref['method']} {ref['loss']:.6g}"
             common.log(f"!! {row['workload']}/{row['method']}: {row['error']}")
 
 
@@ -296,8 +306,8 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--scale", type=float, default=None,
                    help="length scale of all workloads (default: 0.5 GRPO / 0.25 multi-turn on CPU, 1 on GPU)")
-    p.add_argument("--methods", default="dense,sparse,dta")
-    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--methods", default="dense,dense-mb8,sparse,dta")
+    p.add_argument("--micro-batch-size", type=int, default=1, help="rows per micro-batch of `dense` and `dense+ckpt`")
     p.add_argument("--rounds", type=int, default=3, help="timed steps per method, interleaved (best kept)")
     p.add_argument("--tag", default="")
     p.add_argument("--no-isolate", action="store_true")

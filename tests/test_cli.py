@@ -11,7 +11,7 @@ import torch
 
 from trl_dta.balance import CostModel, partition_for_ranks
 from trl_dta.cli import AnalysisError, analyze, load_sequences, main
-from trl_dta.flops import get_model_shape, ideal_ratio
+from trl_dta.flops import ATTN_BACKENDS, get_model_shape, ideal_ratio, peak_memory
 from trl_dta.tree import PrefixTree
 
 
@@ -341,3 +341,30 @@ def test_model_shape_from_config_path(tmp_path, capsys):
     assert result["model_shape"] == "tiny-qwen"
     assert result["balance"] == _expected_balance(SEQS, None, 2, 8, config)
     assert result["balance"]["hidden_size"] == 96
+
+
+def test_peak_memory_per_backend(tmp_path, capsys):
+    # 2 prompts x 4 completions; the estimate is `flops.peak_memory` of the worst batch (or rank), per backend
+    src = _write_jsonl(tmp_path / "r.jsonl", [{"input_ids": s, "g": i // 4} for i, s in enumerate(SEQS)])
+    result = _run_json(["analyze", src, "--model-shape", "qwen3-8b", "--dtype", "fp32", "--max-graph-tokens",
+                        "none", "--max-batch-tokens", "6"], capsys)
+    assert result["dtype"] == "fp32" and list(result["peak_memory"]) == list(ATTN_BACKENDS)
+    for backend, m in result["peak_memory"].items():
+        expected = peak_memory(SEQS, "qwen3-8b", backend, "fp32", max_batch_tokens=6, max_graph_tokens=None)
+        assert m["total"] == expected.total and m["prefix_copies"] == expected.prefix_copies
+    assert result["peak_memory"]["sdpa"]["prefix_copies"] > 0 == result["peak_memory"]["flash"]["prefix_copies"]
+    # per rank: the worse of the two ranks' forests (one prompt group each)
+    result = analyze(SEQS, "qwen3-8b", num_processes=2, groups=GROUPS, max_graph_tokens=None)
+    worst = max(peak_memory(SEQS[r * 4 : r * 4 + 4], "qwen3-8b", "sdpa", max_graph_tokens=None).total for r in (0, 1))
+    assert result["peak_memory"]["sdpa"]["total"] == worst
+    assert main(["analyze", src, "--model-shape", "qwen3-8b"]) == 0
+    table = capsys.readouterr().out
+    assert "peak memory per step (bf16, worst batch)" in table
+    for backend in ATTN_BACKENDS:
+        assert f"  {backend} " in table
+    with pytest.raises(ValueError, match="unknown `dtype` \\(--dtype\\) 'int8'"):
+        analyze(SEQS, dtype="int8")
+    with pytest.raises(ValueError, match="`max_graph_tokens` must be"):
+        analyze(SEQS, max_graph_tokens=-1)
+    assert main(["analyze", src, "--max-graph-tokens", "x"]) == 2
+    assert "argument --max-graph-tokens: must be an integer >= 0 or 'none', got 'x'" in capsys.readouterr().err

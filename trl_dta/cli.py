@@ -28,6 +28,14 @@ the hidden size of `--model-shape`). Groups are the `--group-field` labels, else
 rows with the same prompt; `--no-groups` lets rows move singly. Every batch must split into `K` equal parts, and the
 groups into whole groups per rank. The table adds the most loaded rank's share, the imbalance (max / mean forest
 cost) and the fraction of the single-forest compression that survives the split.
+
+The table ends with the estimated peak memory of a DTA training step per attention backend, above the weights,
+gradients and optimizer state (`trl_dta.flops.peak_memory`, for `--model-shape` in `--dtype`, the worst batch, or the
+worst rank's forest with `--num-processes`): the path's keys/values, the kept graph, the largest forward, and for
+`sdpa` the copies of the path's keys/values that a batch of sibling rows saves (one per row per layer), which the
+two-part backends avoid. The engine budgets are the DTA trainers' defaults under TRL's default
+`gradient_checkpointing=True` (`--max-graph-tokens 1024`, `--max-batch-tokens 8192`); `--max-graph-tokens none`
+keeps every graph.
 """
 
 from __future__ import annotations
@@ -49,6 +57,10 @@ __all__ = ["AnalysisError", "analyze", "load_sequences", "main"]
 # conservative guess below the measured `fraction_of_ideal` values of benchmarks/RESULTS.md; override with
 # --fraction-of-ideal.
 DEFAULT_FRACTION_OF_IDEAL = 0.8
+
+# The DTA trainers' kept-graph budget under TRL's default `gradient_checkpointing=True` (`dta_max_graph_tokens`
+# becomes `dta_block_size`, 1024): the budget of the peak-memory estimate unless one is given.
+DEFAULT_MAX_GRAPH_TOKENS = 1024
 
 
 class AnalysisError(ValueError):
@@ -242,6 +254,9 @@ def analyze(
     num_processes: int | None = None,
     groups=None,
     fraction_of_ideal: float = DEFAULT_FRACTION_OF_IDEAL,
+    dtype: str = "bf16",
+    max_batch_tokens: int = 8192,
+    max_graph_tokens: int | None = DEFAULT_MAX_GRAPH_TOKENS,
 ) -> dict:
     """Prefix-sharing statistics of rollouts and the speed-ups DTA can give on them.
 
@@ -255,16 +270,23 @@ def analyze(
         groups (sequence of `int` or `str`, *optional*): a group label per sequence; groups are dealt out whole, so
             all groups of a batch must have one size `G` with `batch / num_processes` a multiple of `G`.
         fraction_of_ideal (`float`, *optional*, defaults to `0.8`): see the module docstring.
+        dtype (`str`, *optional*, defaults to `"bf16"`): compute dtype of the peak-memory estimate (`fp32`, `bf16`,
+            `fp16`, `fp64`).
+        max_batch_tokens (`int`, *optional*, defaults to `8192`): the engine's sibling-batch budget, for the estimate.
+        max_graph_tokens (`int`, *optional*, defaults to `1024`): the engine's kept-graph budget, for the estimate
+            (None keeps every graph).
 
     Returns:
-        `dict` of the table's values (`balance` is `None` without `num_processes`, or a dict of its row).
+        `dict` of the table's values (`balance` is `None` without `num_processes`, or a dict of its row;
+        `peak_memory` maps each attention backend to its [`~trl_dta.flops.MemoryEstimate`] fields and `total`, in
+        bytes, at the worst batch or rank).
 
     Raises:
         [`AnalysisError`] (a `ValueError`) or `TypeError`: on a bad argument, naming it and the fix.
     """
     from .balance import CostModel
     from .balance.partition import check_group_ids
-    from .flops import dense_flops, tree_flops
+    from .flops import DTYPE_BYTES, dense_flops, tree_flops
     from .tree import PrefixTree
 
     shape = _model_shape(model_shape)
@@ -275,6 +297,10 @@ def analyze(
     size = check_int("batch_size", batch_size, minimum=1, allow_none=True) or len(seqs)
     k = check_int("num_processes", num_processes, minimum=1, allow_none=True)
     fraction_of_ideal = check_float("fraction_of_ideal", fraction_of_ideal, minimum=0.0, exclusive=True)
+    if dtype not in DTYPE_BYTES:
+        raise AnalysisError(f"unknown `dtype` (--dtype) {dtype!r}: choose one of {sorted(DTYPE_BYTES)}")
+    budgets = dict(max_batch_tokens=check_int("max_batch_tokens", max_batch_tokens, minimum=1),
+                   max_graph_tokens=check_int("max_graph_tokens", max_graph_tokens, minimum=0, allow_none=True))
     batches = [(start, min(start + size, len(seqs))) for start in range(0, len(seqs), size)]
     labels = check_group_ids(groups, len(seqs), name="groups")
     if k is not None:
@@ -283,6 +309,7 @@ def analyze(
     totals = dict(batches=0, sequences=0, tokens=0, tree_tokens=0, max_len=0, max_segments_depth=0,
                   dense_flops=0.0, tree_flops=0.0)
     balance = dict(max_share=[], imbalance=[], compression_kept=[])
+    memory: dict = {}
     for i, (start, end) in enumerate(batches):
         tree = _batch_tree(seqs, start, end, i)
         totals["batches"] += 1
@@ -293,8 +320,12 @@ def analyze(
         totals["max_segments_depth"] = max(totals["max_segments_depth"], tree.depth)
         totals["dense_flops"] += dense_flops(tree.lengths, shape).total
         totals["tree_flops"] += tree_flops(tree, shape).total
+        forests = [tree]
         if k is not None:
-            _balance(tree, k, None if labels is None else labels[start:end], cost_model, balance)
+            parts = _balance(tree, k, None if labels is None else labels[start:end], cost_model, balance)
+            forests = [PrefixTree.from_sequences([seqs[start + j] for j in part]) for part in parts]
+        for forest in forests:
+            _peak_memory(forest, shape, dtype, budgets, memory)
     ideal = totals["dense_flops"] / totals["tree_flops"] if totals["tree_flops"] else 1.0
     result = {
         **totals,
@@ -307,6 +338,8 @@ def analyze(
         "predicted_speedup": max(ideal * fraction_of_ideal, 1.0),
         "num_processes": k,
         "balance": None,
+        "dtype": dtype,
+        "peak_memory": memory,
     }
     if k is not None:
         n = len(balance["imbalance"])
@@ -375,7 +408,8 @@ def _check_splittable(batches: list[tuple[int, int]], k: int, labels) -> None:
             )
 
 
-def _balance(tree, k: int, groups, cost_model, acc: dict) -> None:
+def _balance(tree, k: int, groups, cost_model, acc: dict) -> list[list[int]]:
+    """Split one batch as the trainers do; add its statistics to `acc` and return each rank's batch indices."""
     from .balance import partition_for_ranks
 
     part = partition_for_ranks(tree, k, group_ids=groups, cost_model=cost_model)
@@ -383,6 +417,19 @@ def _balance(tree, k: int, groups, cost_model, acc: dict) -> None:
     acc["imbalance"].append(part.imbalance)
     acc["max_share"].append(part.max_cost / total if total else 0.0)
     acc["compression_kept"].append(part.compression_kept)
+    return part.parts
+
+
+def _peak_memory(forest, shape, dtype: str, budgets: dict, acc: dict) -> None:
+    """Keep, per attention backend, the estimate of the forest with the largest peak so far."""
+    from dataclasses import asdict
+
+    from .flops import ATTN_BACKENDS, peak_memory
+
+    for backend in ATTN_BACKENDS:
+        estimate = peak_memory(forest, shape, backend, dtype, **budgets)
+        if backend not in acc or estimate.total > acc[backend]["total"]:
+            acc[backend] = {**asdict(estimate), "total": estimate.total}
 
 
 def format_table(result: dict) -> str:
@@ -409,8 +456,20 @@ def format_table(result: dict) -> str:
             ("  most loaded rank's share of the work", f"{bal['max_share']:.1%} (ideal {1 / k:.1%})"),
             ("  compression kept after the split", f"{bal['compression_kept']:.1%}"),
         ]
+    memory = result.get("peak_memory") or {}
+    if memory:
+        where = "worst rank" if result.get("num_processes") else "worst batch"
+        rows.append((f"peak memory per step ({result['dtype']}, {where})", "above weights and optimizer"))
+        for backend, m in memory.items():
+            rows.append((f"  {backend}", f"{_gb(m['total'])}  (path K/V {_gb(m['path_kv'])}, kept graph "
+                         f"{_gb(m['path_graph'])}, forward of {m['rows']} x {m['row_tokens'] // max(m['rows'], 1)} "
+                         f"tokens {_gb(m['batch_activations'])}, path copies {_gb(m['prefix_copies'])})"))
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _gb(n_bytes: int) -> str:
+    return f"{n_bytes / 1e9:.2f} GB"
 
 
 # ------------------------------------------------------------------------------------------------------ CLI
@@ -442,6 +501,16 @@ def _fraction(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}") from None
 
 
+def _graph_budget(text: str) -> int | None:
+    """An argparse type: an integer >= 0, or `none` (no budget)."""
+    if text.lower() == "none":
+        return None
+    try:
+        return check_int("max_graph_tokens", int(text), minimum=0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0 or 'none', got {text!r}") from None
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="trl-dta", description="Dynamic Tree Attention for TRL: tools.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -467,6 +536,12 @@ def _parser() -> argparse.ArgumentParser:
                    "...) or a config path")
     p.add_argument("--fraction-of-ideal", type=_fraction, default=DEFAULT_FRACTION_OF_IDEAL,
                    help="fraction of the ideal speed-up DTA reaches (measured values: benchmarks/RESULTS.md)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp64"],
+                   help="compute dtype of the peak-memory estimate")
+    p.add_argument("--max-batch-tokens", type=_positive_int, default=8192,
+                   help="the engine's sibling-batch budget, for the peak-memory estimate")
+    p.add_argument("--max-graph-tokens", type=_graph_budget, default=DEFAULT_MAX_GRAPH_TOKENS,
+                   help="the engine's kept-graph budget, for the peak-memory estimate ('none' keeps every graph)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     return parser
 
@@ -485,7 +560,8 @@ def main(argv: list[str] | None = None) -> int:
             text_field=args.text_field, tokenizer=args.tokenizer, split=args.split, group_field=args.group_field,
         )
         result = analyze(seqs, args.model_shape, args.batch_size, args.num_processes,
-                         None if args.no_groups else groups, args.fraction_of_ideal)
+                         None if args.no_groups else groups, args.fraction_of_ideal, dtype=args.dtype,
+                         max_batch_tokens=args.max_batch_tokens, max_graph_tokens=args.max_graph_tokens)
     except (ValueError, TypeError, OSError) as e:
         message = " ".join(str(e).split())
         print(f"trl-dta analyze: error: {message}", file=sys.stderr)
