@@ -1,0 +1,24 @@
+"""Attention kernels for DTA: the two-part (path + own rows) attention and its backends.
+
+`two_part_attention(query, path_key, path_value, key, value, ...)` attends a batch of new rows over one shared path
+stored once (no expand, no concatenation), see `two_part`. What each backend runs, per part:
+
+| backend  | device | path part (folded)   | own part, causal rows | own part, packed rows | `math` fallback for    |
+|----------|--------|----------------------|-----------------------|-----------------------|------------------------|
+| `sdpa`   | any    | concatenated, B copies | (one explicit mask) | (one explicit mask)   | - (the reference)      |
+| `torch`  | CPU    | aten CPU flash       | aten CPU flash        | aten CPU flash + mask | soft-capping           |
+| `torch`  | CUDA   | aten flash (16-bit)  | aten flash            | `math`                | window, soft-cap, fp32 |
+| `flash`  | CUDA   | flash-attn >= 2.7    | flash-attn            | `torch` / `math`      | window cutting path    |
+| `triton` | CUDA*  | interval kernel      | interval kernel       | interval kernel       | - (all features)       |
+
+(*) and CPU under `TRITON_INTERPRET=1` (tests only: no bf16, slow). `auto` picks per device from `AUTO` (CPU:
+`torch`; CUDA: `flash` when installed, else `torch`), measured with `benchmarks/bench_attention.py`. Every backend
+is exact (GQA without repeating the path, sliding windows, soft-capping, padding); `math` is the plain-PyTorch part
+kernel (one part's scores materialised transiently, the path still stored once).
+"""
+
+from .masks import PartMask, key_end_from_row_mask
+from .two_part import AUTO, BACKENDS, available_backends, part_kernels, resolve_backend, two_part_attention
+
+__all__ = ["AUTO", "BACKENDS", "PartMask", "available_backends", "key_end_from_row_mask", "part_kernels",
+           "resolve_backend", "two_part_attention"]

@@ -1,0 +1,327 @@
+"""Two-part attention: new tokens over a path stored once plus their own rows, merged by log-sum-exp.
+
+A batch of `B` rows (sibling leaves, or packed subtrees) continues one `P`-token path. Concatenating
+`[path_k.expand(B) ; own_k]` per layer holds `B` copies of the path's keys/values in every layer (and SDPA saves them
+for backward). Splitting the keys instead:
+
+```
+                      path keys (1 copy)          own keys (per row)
+  row 0, queries:     [ k_0 ... k_{P-1} ]         [ row 0: causal or tree mask ]
+  row 1, queries:     [ same P keys     ]         [ row 1: causal or tree mask ]
+```
+
+- **path part**: every new query sees every path key (up to a sliding window), so the rows' queries fold into one
+  query sequence `(1, n_heads, B * L, head_dim)` and one kernel call gives `(O_p, lse_p)`;
+- **own part**: each row's queries over the row's own keys with the causal mask (the bottom-right alignment of the
+  full `[path ; own]` mask restricted to the own keys) or the packed tree mask (`key_end`), giving `(O_r, lse_r)`;
+- **merge** in float32 (float64 for float64 inputs): `lse = logaddexp(lse_p, lse_r)`,
+  `O = exp(lse_p - lse) O_p + exp(lse_r - lse) O_r`. Every own row sees at least its own key, so `lse` is finite and
+  padding rows never give NaN.
+
+Backward (one `autograd.Function`): with `P_a = exp(S_a - lse)` the part-`a` slice of the joint softmax, the joint
+gradients are `dS_a = P_a * (dO V_a^T - rowsum(dO * O))`; a flash-style backward computes exactly this when given the
+*merged* `(O, lse)` (the ring-attention trick), so each part's backward kernel runs once on its own keys, `dQ` is
+the sum of the parts' `dQ`, and the path's `dK_p, dV_p` come out already summed over all rows. No gradient flows
+through `lse`.
+
+Each part runs on the first kernel of the backend's chain that supports it (see [`BACKENDS`]); the kernels'
+contract is in `torch_parts`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from .._checks import check_choice, check_float, check_int
+from .masks import PartMask
+from .sdpa import concat_attention
+from .torch_parts import MATH, TORCH, PartKernel, acc_dtype
+
+
+def _triton_kernel() -> PartKernel:
+    from . import triton_parts
+
+    return triton_parts.TRITON
+
+
+def _flash_kernel() -> PartKernel:
+    from . import flash_parts
+
+    return flash_parts.FLASH
+
+
+def _triton_available(device) -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _flash_available(device) -> bool:
+    if device.type != "cuda":
+        return False
+    return _flash_kernel().available(device)
+
+
+# Part kernels by name: (available on a device, the kernel, loaded lazily so that optional packages stay optional).
+_KERNELS = {
+    "math": (lambda device: True, lambda: MATH),
+    "torch": (TORCH.available, lambda: TORCH),
+    "triton": (_triton_available, _triton_kernel),
+    "flash": (_flash_available, _flash_kernel),
+}
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything but the tensors that one two-part call needs, forward and backward."""
+
+    path_mask: PartMask | None  # None: no path part (P = 0)
+    own_mask: PartMask
+    scale: float
+    softcap: float | None
+    path_kernel: PartKernel | None
+    own_kernel: PartKernel
+
+
+def _fold(x: torch.Tensor) -> torch.Tensor:
+    """`(batch, heads, length, ...)` -> `(1, heads, batch * length, ...)`: all rows' queries as one sequence (a view
+    when `x` is a transposed `(batch, length, heads, ...)` tensor, as transformers passes queries; else a copy)."""
+    return x.transpose(0, 1).reshape(1, x.shape[1], x.shape[0] * x.shape[2], *x.shape[3:])
+
+
+def _unfold(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """Inverse of [`_fold`] (a view)."""
+    heads, total = x.shape[1], x.shape[2]
+    return x.reshape(heads, batch, total // batch, *x.shape[3:]).transpose(0, 1)
+
+
+def two_part_forward(query, path_key, path_value, key, value, plan: _Plan):
+    """Merged output `(batch, n_heads, length, head_dim)`, log-sum-exp `(batch, n_heads, length)` and the parts' aux."""
+    out_r, lse_r, aux_r = plan.own_kernel.forward(query, key, value, plan.own_mask, plan.scale, plan.softcap)
+    if plan.path_mask is None:
+        return out_r, lse_r, (None, aux_r)
+    batch = query.shape[0]
+    out_p, lse_p, aux_p = plan.path_kernel.forward(_fold(query), path_key, path_value, plan.path_mask, plan.scale,
+                                                   plan.softcap)  # (1, H, B * L, D), (1, H, B * L)
+    acc = acc_dtype(query.dtype)
+    lse_p, lse_r = _unfold(lse_p, batch).to(acc), lse_r.to(acc)  # (B, H, L)
+    lse = torch.logaddexp(lse_p, lse_r)  # finite: every query sees its own key
+    # (B, H, L, D) over (B, L, H, D) storage: the layout transformers wants next, and `_fold` of it is a view.
+    out = torch.empty(batch, query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype,
+                      device=query.device).transpose(1, 2)
+    torch.add(torch.exp(lse_p - lse)[..., None] * _unfold(out_p, batch).to(acc),
+              torch.exp(lse_r - lse)[..., None] * out_r.to(acc), out=out)
+    return out, lse, (aux_p, aux_r)
+
+
+def two_part_backward(grad_out, query, path_key, path_value, key, value, out, lse, aux, plan: _Plan):
+    """Gradients of query, path key/value (None without a path) and own key/value, from the merged `(out, lse)`."""
+    aux_p, aux_r = aux
+    grad_query, grad_key, grad_value = plan.own_kernel.backward(
+        grad_out, query, key, value, out, lse, aux_r, plan.own_mask, plan.scale, plan.softcap)
+    if plan.path_mask is None:
+        return grad_query, None, None, grad_key, grad_value
+    grad_fold, grad_path_key, grad_path_value = plan.path_kernel.backward(
+        _fold(grad_out), _fold(query), path_key, path_value, _fold(out), _fold(lse), aux_p, plan.path_mask,
+        plan.scale, plan.softcap)  # (1, H, B * L, D), (1, H_kv, P, D) summed over rows
+    grad_query = grad_query + _unfold(grad_fold, query.shape[0])
+    return grad_query, grad_path_key, grad_path_value, grad_key, grad_value
+
+
+class _TwoPartAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, path_key, path_value, key, value, plan):
+        out, lse, aux = two_part_forward(query, path_key, path_value, key, value, plan)
+        ctx.save_for_backward(query, path_key, path_value, key, value, out, lse)
+        ctx.plan, ctx.aux = plan, aux
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, path_key, path_value, key, value, out, lse = ctx.saved_tensors
+        grads = two_part_backward(grad_out, query, path_key, path_value, key, value, out, lse, ctx.aux, ctx.plan)
+        return (*grads, None)
+
+
+def _pick(chain: tuple[str, ...], query, key, mask: PartMask, softcap) -> PartKernel:
+    """The first kernel of `chain` available here that computes this part exactly."""
+    for name in chain:
+        available, load = _KERNELS[name]
+        if available(query.device):
+            kernel = load()
+            if kernel.supports(query, key, mask, softcap):
+                return kernel
+    raise ValueError(f"no kernel of {list(chain)} computes this attention part on {query.device.type} "
+                     f"(mask {mask}, softcap {softcap}); use backend='torch'.")
+
+
+def _plan_masks(path_len: int, batch: int, q_len: int, positions, key_end, window, device):
+    """The path part's mask (None without a path) and the own part's mask."""
+    causal_rows = positions is None
+    if causal_rows:  # rows continue the path: positions P .. P + L - 1
+        positions = path_len + torch.arange(q_len, device=device)[None]  # (1, L)
+    path_mask = None
+    if path_len:
+        path_mask = PartMask()
+        # Causal rows: the window hides path keys only if the last position reaches past it.
+        if window is not None and (not causal_rows or path_len + q_len - 1 >= window):
+            path_mask = PartMask(q_pos=positions.expand(batch, q_len).reshape(1, batch * q_len),  # folded queries
+                                 k_pos=torch.arange(path_len, device=device)[None], window=window)
+    if window is None or (causal_rows and q_len <= window):
+        return path_mask, PartMask(causal=True, key_end=key_end)
+    return path_mask, PartMask(causal=True, key_end=key_end, q_pos=positions, k_pos=positions, window=window)
+
+
+def _make_plan(query, path_key, key, *, scale, positions, key_end, window, softcap, chain) -> _Plan:
+    """Plan the parts and pick each part's kernel from `chain`."""
+    path_len = 0 if path_key is None else path_key.shape[2]
+    batch, _, q_len, _ = query.shape
+    path_mask, own_mask = _plan_masks(path_len, batch, q_len, positions, key_end, window, query.device)
+    path_kernel = None if path_mask is None else _pick(chain, query, path_key, path_mask, softcap)
+    own_kernel = _pick(chain, query, key, own_mask, softcap)
+    return _Plan(path_mask, own_mask, scale, softcap, path_kernel, own_kernel)
+
+
+def _two_part(query, path_key, path_value, key, value, *, chain, **options):
+    """A two-part backend: plan, then run (through autograd only when a gradient is needed)."""
+    plan = _make_plan(query, path_key, key, chain=chain, **options)
+    tensors = (query, path_key, path_value, key, value)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return _TwoPartAttention.apply(*tensors, plan)
+    return two_part_forward(*tensors, plan)[0]
+
+
+# Backends by name. A two-part backend runs each part on the first kernel of its chain that is available and exact
+# for that part: soft-capping, CUDA float32 and packed rows on CUDA fall back to `math` (exact, path stored once,
+# scores materialised per part). "sdpa" is the concatenating reference (the path expanded over the rows).
+_CHAINS = {"torch": ("torch", "math"), "flash": ("flash", "torch", "math"), "triton": ("triton",)}
+_BACKENDS = {"sdpa": concat_attention, **{name: partial(_two_part, chain=chain) for name, chain in _CHAINS.items()}}
+# Whether a backend can run on a device (explicit requests only; the chains handle unsupported features).
+_BACKEND_AVAILABLE = {
+    "sdpa": lambda device: True,
+    "torch": TORCH.available,
+    "flash": _flash_available,
+    "triton": _triton_available,
+}
+# "auto": the first available backend per device type, fastest first (measured by benchmarks/bench_attention.py).
+AUTO = {"cpu": ("torch", "sdpa"), "cuda": ("flash", "torch", "sdpa")}
+BACKENDS = tuple(_BACKENDS) + ("auto",)
+
+
+def available_backends(device) -> list[str]:
+    """Backends that can run on `device` here (optional packages installed)."""
+    device = torch.device(device)
+    return [name for name, ok in _BACKEND_AVAILABLE.items() if ok(device)]
+
+
+def resolve_backend(backend: str, device) -> str:
+    """The concrete backend `backend` means on `device` ("auto" resolved), or a ValueError listing what runs there."""
+    check_choice("backend", backend, BACKENDS)
+    device = torch.device(device)
+    names = AUTO.get(device.type, ("sdpa",)) if backend == "auto" else (backend,)
+    for name in names:
+        if _BACKEND_AVAILABLE[name](device):
+            return name
+    raise ValueError(f"attention backend {backend!r} cannot run on {device.type} here; available: "
+                     f"{available_backends(device)} (flash needs CUDA and `pip install flash-attn`, triton needs "
+                     "`pip install triton` and CUDA, or TRITON_INTERPRET=1 on CPU).")
+
+
+def _check(query, path_key, path_value, key, value, positions, key_end):
+    if query.ndim != 4 or key.ndim != 4 or value.shape != key.shape:
+        raise ValueError(f"`query` must be (batch, n_heads, length, head_dim) and `key`/`value` (batch, n_kv_heads, "
+                         f"length, head_dim) of one shape, got {tuple(query.shape)}, {tuple(key.shape)}, "
+                         f"{tuple(value.shape)}.")
+    batch, n_heads, length, dim = query.shape
+    if key.shape[0] != batch or key.shape[2] != length or key.shape[3] != dim or n_heads % key.shape[1]:
+        raise ValueError(f"`key` {tuple(key.shape)} does not fit `query` {tuple(query.shape)}: it must be (batch, "
+                         "n_kv_heads, length, head_dim) with n_heads a multiple of n_kv_heads.")
+    if (path_key is None) != (path_value is None):
+        raise ValueError("`path_key` and `path_value` must both be tensors or both None.")
+    if path_key is not None and (path_key.ndim != 4 or path_key.shape[0] != 1 or path_value.shape != path_key.shape
+                                 or path_key.shape[1] != key.shape[1] or path_key.shape[3] != dim):
+        raise ValueError(f"`path_key`/`path_value` must be (1, n_kv_heads, path_len, head_dim) = (1, {key.shape[1]}, "
+                         f"P, {dim}), got {tuple(path_key.shape)}, {tuple(path_value.shape)}; keep the path once, "
+                         "do not expand it over the batch.")
+    others = (key, value) if path_key is None else (key, value, path_key, path_value)
+    if any(t.dtype != query.dtype or t.device != query.device for t in others):
+        raise TypeError(f"query, keys and values must share one dtype and device, got "
+                        f"{[(t.dtype, t.device.type) for t in (query, *others)]}; cast the path with "
+                        "`.to(query.dtype)`.")
+    if (key_end is None) != (positions is None):
+        raise ValueError("packed subtree rows need both `key_end` and `positions` (batch, length); causal rows need "
+                         "neither (their positions continue the path).")
+    for name, t in (("positions", positions), ("key_end", key_end)):
+        if t is not None and (t.shape != (batch, length) or t.dtype not in (torch.int32, torch.int64)):
+            raise ValueError(f"`{name}` must be an integer tensor of shape (batch, length) = {(batch, length)}, "
+                             f"got {tuple(t.shape)} {t.dtype}.")
+
+
+def _options(query, path_key, path_value, key, value, scaling, positions, key_end, sliding_window, softcap):
+    """Validated keyword options shared by the backends."""
+    _check(query, path_key, path_value, key, value, positions, key_end)
+    window = check_int("sliding_window", sliding_window, minimum=1, allow_none=True)
+    if softcap is not None:
+        softcap = check_float("softcap", softcap, minimum=0.0, exclusive=True)
+    scale = query.shape[-1] ** -0.5 if scaling is None else check_float("scaling", scaling)
+    return dict(scale=scale, positions=positions, key_end=key_end, window=window, softcap=softcap)
+
+
+def part_kernels(query, path_key, key, *, backend="auto", scaling=None, positions=None, key_end=None,
+                 sliding_window=None, softcap=None) -> tuple[str | None, str]:
+    """Names of the kernels `two_part_attention` would run for the path part (None without a path) and the own part
+    (`"concat"` for both with the `"sdpa"` backend). Arguments as in [`two_part_attention`]."""
+    options = _options(query, path_key, path_key, key, key, scaling, positions, key_end, sliding_window, softcap)
+    name = resolve_backend(backend, query.device)
+    if name not in _CHAINS:
+        return "concat", "concat"
+    plan = _make_plan(query, path_key, key, chain=_CHAINS[name], **options)
+    return (None if plan.path_kernel is None else plan.path_kernel.name), plan.own_kernel.name
+
+
+def two_part_attention(
+    query: torch.Tensor,
+    path_key: torch.Tensor | None,
+    path_value: torch.Tensor | None,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    scaling: float | None = None,
+    positions: torch.Tensor | None = None,
+    key_end: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Attention of new tokens over `[path keys ; their row's own keys]`, the path stored once.
+
+    Args:
+        query (`torch.Tensor` of shape `(batch, n_heads, length, head_dim)`): the new tokens' queries (all rows).
+        path_key, path_value (`torch.Tensor` of shape `(1, n_kv_heads, path_len, head_dim)`, *optional*): keys and
+            values of the path every row continues (positions `0 .. path_len - 1`), or None for an empty path.
+        key, value (`torch.Tensor` of shape `(batch, n_kv_heads, length, head_dim)`): the rows' own keys and values.
+        scaling (`float`, *optional*, defaults to `head_dim ** -0.5`): score scale.
+        positions (`torch.LongTensor` of shape `(batch, length)`, *optional*): packed subtree rows only (with
+            `key_end`): the tokens' positions (depths; padding at any position). None: causal rows continuing the path
+            (positions `path_len + arange(length)`).
+        key_end (`torch.LongTensor` of shape `(batch, length)`, *optional*): packed subtree rows in pre-order: key `j`
+            is visible to the row's columns `j .. key_end[j] - 1` (see `masks`; padding columns have
+            `key_end = column + 1`). Convert a tree mask with `key_end_from_row_mask`. None: causal rows.
+        sliding_window (`int`, *optional*): key at position `s` visible to a query at `t` only if `s > t - window`.
+        softcap (`float`, *optional*): logit soft-capping, `softcap * tanh(score / softcap)`.
+        backend (`str`, *optional*, defaults to `"auto"`): one of [`BACKENDS`].
+
+    Returns:
+        `torch.Tensor` of shape `(batch, n_heads, length, head_dim)`.
+    """
+    options = _options(query, path_key, path_value, key, value, scaling, positions, key_end, sliding_window, softcap)
+    name = resolve_backend(backend, query.device)
+    if path_key is not None and path_key.shape[2] == 0:
+        path_key = path_value = None
+    return _BACKENDS[name](query, path_key, path_value, key, value, **options)
