@@ -9,16 +9,63 @@ Two paths:
   GEMMs, with no intermediate autograd graph;
 - any other head module (e.g. a PEFT-wrapped head): the same statistics under non-reentrant activation checkpointing.
 
-Logits are post-processed as the model's own forward does (`logit_scale`, `final_logit_softcapping`), then divided
-by the temperature. Half-precision logits are upcast to float32 for the softmax statistics.
+Logits are post-processed as the model's own forward does (a per-family factor such as Cohere's `logit_scale` or
+Granite's `logits_scaling`, then `final_logit_softcapping`), then divided by the temperature. Half-precision logits
+are upcast to float32 for the softmax statistics. A tile holds at most `MAX_TILE_LOGITS` logits, whatever chunk size
+is asked for (the comment at `MAX_TILE_LOGITS` derives the bound).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+
+def _times(field: str) -> Callable[[object], float]:
+    return lambda config: float(getattr(config, field))
+
+
+def _divided_by(field: str) -> Callable[[object], float]:
+    return lambda config: 1.0 / float(getattr(config, field))
+
+
+# The factor each family's `*ForCausalLM.forward` applies to the head's output, before any soft-capping. The same
+# config field means different things in different families (Granite divides the logits by `logits_scaling`,
+# HyperCLOVAX multiplies them by it, MiniCPM3 divides the hidden states, which is the same for its bias-free head), so
+# the table is keyed by model type; a family not listed here whose config sets one of `_SCALING_FIELDS` is refused.
+_LOGIT_MULTIPLIERS: dict[str, Callable[[object], float]] = {
+    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe"), _times("logit_scale")),
+    **dict.fromkeys(("granite", "granitemoe", "granitemoeshared", "granite_swa", "granitemoe_swa", "minicpm3"),
+                    _divided_by("logits_scaling")),
+    "hyperclovax": _times("logits_scaling"),
+}
+_SCALING_FIELDS = ("logit_scale", "logits_scaling", "lm_head_multiplier", "output_multiplier")
+
+
+def unknown_logit_scaling(config) -> str | None:
+    """The field of a text config that scales the logits in a way `_LOGIT_MULTIPLIERS` does not know for its model
+    type, or None."""
+    if config.model_type in _LOGIT_MULTIPLIERS:
+        return None
+    return next((f for f in _SCALING_FIELDS if getattr(config, f, None) not in (None, 1, 1.0)), None)
+
+# Tile size. A tile is `(rows, vocab)` logits, materialised in float32 for half-precision models. The forward keeps
+# one tile at a time; the backward of the linear head about three (the logits turned into log p in place, p, the
+# gradient dz) plus dy in the weight dtype. Capping a tile at 2**24 logits bounds that at 64 MiB per float32 tile
+# (about 256 MiB in the backward) whatever the vocabulary, so `chunk_size` is an upper bound on the rows of a tile:
+# 2**24 // vocab rows is 110 for Qwen2's 151,936-token vocabulary, 128 for Llama 3's 128,256, 4096 (the default
+# chunk) only below 4,096 tokens. The results do not depend on the tile size: every row is computed on its own.
+MAX_TILE_LOGITS = 1 << 24
+
+
+def tile_rows(chunk_size: int, vocab_size: int) -> int:
+    """Rows of one LM-head tile: `chunk_size`, capped so that a tile holds at most `MAX_TILE_LOGITS` logits (and at
+    least one row)."""
+    return max(1, min(chunk_size, MAX_TILE_LOGITS // vocab_size))
 
 
 @dataclass(frozen=True)
@@ -26,8 +73,10 @@ class HeadSpec:
     """How a model turns final hidden states into logits.
 
     Args:
-        module (`torch.nn.Module`): the output embedding (`model.get_output_embeddings()`).
-        logit_scale (`float`): multiplier applied to the head's output (Cohere-style models), 1.0 otherwise.
+        module (`torch.nn.Module`): the output embedding (`model.get_output_embeddings()`), weight of shape
+            `(vocab, hidden_size)`.
+        logit_scale (`float`): factor applied to the head's output: Cohere's `logit_scale`, `1 / logits_scaling` for
+            Granite (and MiniCPM3), HyperCLOVAX's `logits_scaling`; 1.0 otherwise.
         softcap (`float`, *optional*): `final_logit_softcapping` (Gemma 2/3): `logits = c * tanh(logits / c)`.
     """
 
@@ -37,15 +86,21 @@ class HeadSpec:
 
     @classmethod
     def from_model(cls, model) -> HeadSpec:
+        """The head of a transformers causal LM, its logit post-processing read from its config.
+
+        Raises:
+            `NotImplementedError`: the config scales the logits in a way this module does not know for its family.
+        """
         config = model.config.get_text_config()
-        scale = getattr(config, "logit_scale", None)
-        for unsupported in ("logits_scaling", "lm_head_multiplier", "output_multiplier"):
-            if getattr(config, unsupported, None) not in (None, 1, 1.0):
-                raise NotImplementedError(
-                    f"{type(model).__name__} scales its logits with `{unsupported}`, which DTA does not implement."
-                )
-        return cls(model.get_output_embeddings(), 1.0 if scale is None else float(scale),
-                   getattr(config, "final_logit_softcapping", None))
+        field = unknown_logit_scaling(config)
+        if field is not None:
+            raise NotImplementedError(
+                f"{type(model).__name__} (model type '{config.model_type}') scales its logits with `{field}`, whose "
+                f"meaning DTA knows only for the model types {sorted(_LOGIT_MULTIPLIERS)}."
+            )
+        multiplier = _LOGIT_MULTIPLIERS.get(config.model_type)
+        scale = 1.0 if multiplier is None else multiplier(config)
+        return cls(model.get_output_embeddings(), scale, getattr(config, "final_logit_softcapping", None))
 
 
 def _chunk_stats(hidden, targets, spec: HeadSpec, inv_temperature: float, want_entropy: bool):
@@ -68,9 +123,7 @@ def _chunk_stats(hidden, targets, spec: HeadSpec, inv_temperature: float, want_e
 def _tile_logits(h, weight, bias, spec: HeadSpec, inv_t: float):
     """Post-processed logits `(rows, vocab)` of a tile (float32 for half precision) and `d logits / d (h W^T + b)`
     as a scalar or a tensor (soft-capping)."""
-    y = h @ weight.t()
-    if bias is not None:
-        y = y + bias
+    y = F.linear(h, weight, bias)  # bias added before rounding, as nn.Linear does
     if y.dtype in (torch.float16, torch.bfloat16):
         y = y.float()
     scale = spec.logit_scale * inv_t
@@ -122,15 +175,16 @@ class _LinearLogProbs(torch.autograd.Function):
                 dz = p.mul_(-g_lp[sl, None])
             if g_lp is not None:
                 dz.scatter_add_(-1, t[:, None], g_lp[sl, None].to(dz.dtype))
-            dy = (dz * dz_dy if isinstance(dz_dy, torch.Tensor) else dz.mul_(dz_dy)).to(weight.dtype)
+            dy_acc = dz * dz_dy if isinstance(dz_dy, torch.Tensor) else dz.mul_(dz_dy)  # (rows, vocab), softmax dtype
+            if need_b and bias is not None:  # summed before rounding to the bias dtype, as a single GEMM would
+                gb = dy_acc.sum(0) if gb is None else gb.add_(dy_acc.sum(0))
+            dy = dy_acc.to(weight.dtype)
             if need_h:
                 gh_tiles.append(dy @ weight)
             if need_w:
                 gw = dy.t() @ h if gw is None else gw.addmm_(dy.t(), h)
-            if need_b and bias is not None:
-                gb = dy.sum(0) if gb is None else gb.add_(dy.sum(0))
         gh = (gh_tiles[0] if len(gh_tiles) == 1 else torch.cat(gh_tiles)) if need_h else None
-        return gh, gw, gb, None, None, None, None, None
+        return gh, gw, None if gb is None else gb.to(bias.dtype), None, None, None, None, None
 
 
 def head_logprobs(
@@ -149,19 +203,19 @@ def head_logprobs(
         targets (`torch.LongTensor` of shape `(n,)`): the token each position predicts.
         temperature (`float`): the logits are divided by it.
         entropy (`bool`): also return the entropy of each position's distribution.
-        chunk_size (`int`): rows projected at once (memory: `chunk_size * vocab` logits).
+        chunk_size (`int`): rows projected at once, at most [`MAX_TILE_LOGITS`]` // vocab` (see [`tile_rows`]).
 
     Returns:
         `(logps, entropies)`, each of shape `(n,)` (entropies None unless asked); float32 for half-precision models.
     """
     inv_t = 1.0 / temperature
+    rows = tile_rows(chunk_size, spec.module.weight.shape[0])
     if type(spec.module) is torch.nn.Linear and hidden.shape[0]:
-        rows = max(1, min(chunk_size, (1 << 24) // spec.module.weight.shape[0]))
         return _LinearLogProbs.apply(hidden, spec.module.weight, spec.module.bias, targets, spec, inv_t, entropy, rows)
     grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in spec.module.parameters()))
     lps, ents = [], []
-    for start in range(0, hidden.shape[0], chunk_size):
-        h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
+    for start in range(0, hidden.shape[0], rows):
+        h, t = hidden[start : start + rows], targets[start : start + rows]
         if grad:
             lp, ent = checkpoint(_chunk_stats, h, t, spec, inv_t, entropy, use_reentrant=False)
         else:

@@ -1,0 +1,194 @@
+"""Model families: every decoder-only family either runs through DTA with the dense per-sequence results, or is
+refused by `check_model_support` before any forward, with the reason and the dense alternative."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from conftest import FAMILIES, VOCAB, make_model, shared_batch, use_input_dtype_norms
+from reference import compare_grads, compare_lists, dense_forward_backward, grads_of
+from trl_dta import DTAEngine
+from trl_dta.models import DENSE_ALTERNATIVE, TESTED_MODEL_TYPES, check_model_support
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
+             pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+
+# Families beyond the conftest ones, as tiny configs. Granite, Cohere and MiniCPM3 (`logits_scaling` = hidden_size /
+# dim_model_base = 4) get non-trivial multipliers, so that their embedding/residual/attention/logit scalings are all
+# exercised.
+SUPPORTED = {
+    "granite": lambda: transformers.GraniteConfig(**SMALL, intermediate_size=48, num_key_value_heads=2,
+                                                  logits_scaling=3.0, embedding_multiplier=2.0,
+                                                  residual_multiplier=0.5, attention_multiplier=0.3),
+    "olmo": lambda: transformers.OlmoConfig(**SMALL, intermediate_size=48, num_key_value_heads=2),
+    "cohere": lambda: transformers.CohereConfig(**SMALL, intermediate_size=48, num_key_value_heads=2, logit_scale=0.5),
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(**SMALL, intermediate_size=48, rotary_pct=0.5, attention_dropout=0.0,
+                                                   hidden_dropout=0.0),
+    "minicpm3": lambda: transformers.MiniCPM3Config(**SMALL, intermediate_size=48, num_key_value_heads=4,
+                                                    q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=4,
+                                                    qk_rope_head_dim=4, v_head_dim=8, dim_model_base=8, scale_emb=2.0),
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256,
+                                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True),
+}
+
+# Cohere's RoPE rotates q/k in float32 even in a float64 model: float32 tests only (see conftest's FLOAT32_ONLY).
+FLOAT32_ONLY = {"cohere"}
+
+# Families that run densely but not through DTA, and a phrase of the reason each must be refused with.
+REFUSED = {
+    "stablelm": (lambda: transformers.StableLmConfig(**SMALL, intermediate_size=48, num_key_value_heads=2),
+                 "without the keyword arguments"),
+    "falcon": (lambda: transformers.FalconConfig(**SMALL, alibi=False), "before any layer reaches"),
+    "falcon-new-arch": (lambda: transformers.FalconConfig(**SMALL, alibi=False, new_decoder_architecture=True,
+                                                          num_kv_heads=2), "before any layer reaches"),
+    "falcon-alibi": (lambda: transformers.FalconConfig(**SMALL, alibi=True), "ALiBi"),
+    "mpt": (lambda: transformers.MptConfig(d_model=32, n_heads=4, n_layers=2, vocab_size=VOCAB, max_seq_len=256),
+            "ALiBi"),
+    "bloom": (lambda: transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4), "ALiBi"),
+    "gpt_neo": (lambda: transformers.GPTNeoConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4,
+                                                  attention_types=[[["global", "local"], 1]],
+                                                  max_position_embeddings=256), "never call"),
+    "bert-bidirectional": (lambda: transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                                           num_attention_heads=4, intermediate_size=48),
+                           "other log-probs than the dense forward"),
+    "gpt_oss-sinks": (lambda: transformers.GptOssConfig(**SMALL, intermediate_size=48, num_key_value_heads=2,
+                                                        head_dim=8, num_local_experts=4, num_experts_per_tok=2),
+                      "s_aux"),
+    "mamba": (lambda: transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2),
+              "linear_attention"),
+}
+
+
+def build(config, dtype=torch.float32, seed=0, attn="sdpa"):
+    """A tiny model with random weights (perturbed, so that norm weights matter), in eval mode; `attn=None` lets
+    transformers pick the attention (MPT has no SDPA)."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn).to(dtype).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def _input_dtype_layer_norms(model):
+    """OLMo's parameter-free layer norms computed in the input dtype (the stock one casts to float32, see conftest)."""
+    for m in model.modules():
+        if type(m).__name__ == "OlmoLayerNorm":
+            m.forward = lambda x, m=m: F.layer_norm(x, m.normalized_shape, None, None, eps=1e-5)
+    return model
+
+
+def loss_fn(i, lp, ent):
+    """Non-linear in each sequence's log-probs and entropies (prefix gradients must be accumulated exactly)."""
+    if lp.numel() == 0:
+        return lp.sum()
+    return torch.exp(lp.mean()) * (1 + 0.1 * i) + 0.05 * torch.tanh(ent).sum()
+
+
+def assert_equals_oracle(model, tol):
+    seqs = shared_batch(8)
+    model.zero_grad(set_to_none=True)
+    _, want_lp, want_ent = dense_forward_backward(model, seqs, loss_fn)
+    want = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    out = DTAEngine(model).forward_backward(seqs, loss_fn, entropy=True)
+    errors = {"logps": compare_lists(out.logps, want_lp), "entropies": compare_lists(out.entropies, want_ent),
+              "grads": compare_grads(grads_of(model), want)}
+    for what, (err, where) in errors.items():
+        assert err <= tol, f"{what} differ by {err:.3g} (at {where})"
+    assert len(want) == len(list(model.parameters()))
+
+
+ORACLE_CASES = [pytest.param(f, torch.float32, id=f"{f}-float32") for f in SUPPORTED] + [
+    pytest.param(f, torch.float64, id=f"{f}-float64") for f in SUPPORTED if f not in FLOAT32_ONLY]
+
+
+@pytest.mark.parametrize("family, dtype", ORACLE_CASES)
+def test_supported_family_equals_oracle(family, dtype):
+    model = build(SUPPORTED[family](), dtype)
+    if dtype == torch.float64:
+        use_input_dtype_norms(_input_dtype_layer_norms(model))
+    assert model.config.model_type in TESTED_MODEL_TYPES
+    check_model_support(model)
+    assert_equals_oracle(model, TOL[dtype])
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_conftest_families_pass_the_check(family):
+    model = make_model(family, torch.float32)
+    assert model.config.model_type in TESTED_MODEL_TYPES
+    check_model_support(model)
+
+
+@pytest.mark.parametrize("family", list(REFUSED))
+def test_unsupported_family_is_refused_before_any_forward(family):
+    make_config, reason = REFUSED[family]
+    model = build(make_config(), attn=None)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    assert torch.isfinite(model(input_ids=ids).logits).all()  # it runs densely
+    with pytest.raises(NotImplementedError) as err:
+        check_model_support(model)
+    message = str(err.value)
+    assert reason in message, message
+    assert f"model type '{model.config.model_type}'" in message and DENSE_ALTERNATIVE in message, message
+    assert "dta_enabled=False" in message
+    assert model.config._attn_implementation != "dta_probe"
+
+
+def test_granite_logits_scaling_head_matches_dense_logits():
+    """Granite divides its logits by `logits_scaling`; the DTA head applies the same factor."""
+    from trl_dta.lm_head import HeadSpec, head_logprobs
+
+    model = build(SUPPORTED["granite"](), torch.float64)
+    ids = torch.tensor([[5, 9, 17, 33, 40, 2]])
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+        hidden = model.model(input_ids=ids).last_hidden_state[0]
+    log_p = out.logits[0].log_softmax(-1)
+    targets = torch.tensor([9, 17, 33, 40, 2, 3])
+    lp, ent = head_logprobs(HeadSpec.from_model(model), hidden, targets, entropy=True)
+    assert (lp - log_p.gather(-1, targets[:, None]).squeeze(-1)).abs().max() <= 1e-12
+    assert (ent + (log_p.exp() * log_p).sum(-1)).abs().max() <= 1e-12
+    assert HeadSpec.from_model(model).logit_scale == pytest.approx(1 / 3)
+
+
+def test_unknown_logit_scaling_is_refused():
+    """`logits_scaling` means a division in Granite and a multiplication in HyperCLOVAX: an unlisted family that sets
+    it is refused rather than guessed."""
+    config = transformers.LlamaConfig(**SMALL, intermediate_size=48, num_key_value_heads=2)
+    config.logits_scaling = 2.0
+    with pytest.raises(NotImplementedError, match="logits_scaling"):
+        check_model_support(build(config))
+
+
+def test_probe_leaves_the_model_as_it_was_and_is_cheap():
+    """Training mode, gradient checkpointing, attention implementation, parameters and gradients are untouched; the
+    probe runs three forwards of at most four tokens."""
+    model = make_model("qwen2", torch.float32)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    model.model.layers[0].eval()  # a mixed state must come back exactly
+    modes = [m.training for m in model.modules()]
+    attn = {id(m.config): m.config._attn_implementation for m in model.modules() if hasattr(m, "config")}
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    lengths = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: lengths.append(args[0].shape[1]))
+    check_model_support(model)
+    hook.remove()
+    assert lengths == [4, 1, 3]
+    assert [m.training for m in model.modules()] == modes
+    assert {id(m.config): m.config._attn_implementation for m in model.modules() if hasattr(m, "config")} == attn
+    assert model.is_activation_checkpointing
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, params[n]) for n, p in model.named_parameters())
+
+
+def test_peft_model_passes():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(make_model("llama", torch.float32),
+                                peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj"]))
+    check_model_support(model.get_base_model())

@@ -1,0 +1,278 @@
+"""Which model families DTA runs: decided once, when the engine is built, before any forward of the user's.
+
+DTA feeds each forward only the new tokens and gives every attention layer the keys/values of the path before them
+through the forward's keyword arguments (`dta_ctx=...`, see `attention.py`). A decoder-only causal LM runs through DTA
+exactly when
+
+1. every layer mixes tokens only in a call of transformers' `AttentionInterface` (no recurrent, convolution or linear
+   attention state, no attention code of its own),
+2. its decoder layers hand the forward's keyword arguments on to that call,
+3. that attention is causal softmax attention over post-RoPE keys/values, optionally windowed or soft-capped (no
+   ALiBi biases, no chunked or sparse attention, no attention sinks, no bidirectional attention), and
+4. its logits are post-processed in a way [`HeadSpec`] knows.
+
+[`check_model_support`] decides it in two steps, and either returns or raises a `NotImplementedError` that names the
+model type, the reason and the dense alternative:
+
+- **Rules**, dispatch tables of what is known not to hold: families by model type (ALiBi models) and configurations
+  by their layer types (state-space, linear-attention and chunked-attention layers).
+- **Probe**: the real model on four tokens, once densely and once through DTA as a one-token prefix plus a
+  three-token continuation, compared on the log-probs and entropies of the three next tokens. A failure inside
+  transformers, a layer that never reaches the DTA attention (1, 2) or a different result (3, 4) becomes the error.
+  It costs three forwards of at most four tokens and leaves the model as it was (attention implementation, training
+  mode, gradients).
+
+```
+dense:   t0 t1 t2 t3                  -> log p(t1 | t0), log p(t2 | t0 t1), log p(t3 | t0 t1 t2)
+DTA:     t0          (push its K/V)
+            t1 t2 t3 (after the path) -> the same three log-probs
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+from . import _checks, attention
+from .kv_stack import Frame, KVStack
+from .lm_head import HeadSpec, head_logprobs, unknown_logit_scaling
+
+# Model families whose equivalence with the dense per-sequence computation the test suite covers (tests/test_models.py
+# and tests/test_engine.py). Other families that pass the probe run with a one-time warning.
+TESTED_MODEL_TYPES = frozenset({
+    "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "gemma3", "phi3", "granite", "olmo", "gpt_neox",
+    "gpt2", "cohere", "minicpm3",
+})
+
+DENSE_ALTERNATIVE = (
+    "Train it without DTA: set `dta_enabled=False` in the DTA trainer's config (TRL's dense path), or, without the "
+    "trainers, call the model's own forward instead of `DTAEngine`."
+)
+
+_ALIBI = ("it adds ALiBi biases to the attention scores in its own attention code; DTA's attention has no position "
+          "bias")
+
+# model_type -> why DTA cannot run this configuration of the family, or None.
+_FAMILY_RULES: dict[str, Callable[[object], str | None]] = {
+    "bloom": lambda config: _ALIBI,
+    "mpt": lambda config: _ALIBI if config.attn_config.alibi else None,
+    "falcon": lambda config: _ALIBI if config.alibi else None,
+}
+
+# Layer types (`config.layer_types`) that are softmax attention over every earlier token or a window of them.
+_ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+
+
+def _layer_types(config) -> str | None:
+    other = sorted(set(getattr(config, "layer_types", None) or ()) - _ATTENTION_LAYER_TYPES)
+    if other:
+        return (f"it has {other} layers; DTA runs softmax attention layers ({sorted(_ATTENTION_LAYER_TYPES)}) only, "
+                "whose whole state is the path's keys/values")
+    return None
+
+
+def _chunked_attention(config) -> str | None:
+    if getattr(config, "attention_chunk_size", None):
+        return (f"its attention is chunked (`attention_chunk_size={config.attention_chunk_size}`): a token sees only "
+                "the keys of its own chunk, a mask DTA's attention does not build")
+    return None
+
+
+def _logit_scaling(config) -> str | None:
+    field = unknown_logit_scaling(config)
+    if field is not None:
+        return (f"it scales its logits with `{field}={getattr(config, field)}`, and what that field means differs "
+                "between families (see `lm_head.py`)")
+    return None
+
+
+# Checks of every family's config: each returns why DTA cannot run it, or None.
+_CONFIG_RULES: tuple[Callable[[object], str | None], ...] = (_layer_types, _chunked_attention, _logit_scaling)
+
+
+def _where(exc: Exception) -> str:
+    """`"TypeError in forward, modeling_falcon.py:352: <message>"`: an exception and the line that raised it."""
+    frame = exc.__traceback__
+    while frame.tb_next is not None:
+        frame = frame.tb_next
+    code = frame.tb_frame.f_code
+    return f"{type(exc).__name__} in {code.co_name}, {code.co_filename.rsplit('/', 1)[-1]}:{frame.tb_lineno}: {exc}"
+
+
+class _ProbeFailure(Exception):
+    """Raised inside the probe's attention function; carries the reason."""
+
+
+def _probe_attention(module, query, key, value, attention_mask, dta_ctx=None, **kwargs):
+    """The DTA attention, run under its own registered name so that the probe sees which layers reach it, and with
+    what."""
+    if dta_ctx is None:
+        raise _ProbeFailure(
+            f"its {type(module).__name__} layers call the attention without the keyword arguments of the model's "
+            "forward (a decoder layer does not pass `**kwargs` on), so the engine's context never reaches them"
+        )
+    return attention.dta_attention(module, query, key, value, attention_mask, dta_ctx=dta_ctx, **kwargs)
+
+
+_PROBE_IMPLEMENTATION = "dta_probe"
+_REGISTERED = False
+
+
+def _register_probe() -> str:
+    global _REGISTERED
+    if not _REGISTERED:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(_PROBE_IMPLEMENTATION, _probe_attention)
+        _REGISTERED = True
+    return _PROBE_IMPLEMENTATION
+
+
+@contextlib.contextmanager
+def _eval_mode(lm):
+    """Eval mode (no dropout), restoring each module's training flag on exit."""
+    modes = [(m, m.training) for m in lm.modules()]
+    try:
+        lm.eval()
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+@contextlib.contextmanager
+def _attention_implementation(lm, name: str):
+    """Route the attention of `lm` and every sub-model through the implementation registered as `name`, restoring
+    each config's implementation on exit."""
+    configs = {id(m.config): m.config for m in lm.modules()
+               if hasattr(getattr(m, "config", None), "_attn_implementation")}
+    configs[id(lm.config)] = lm.config
+    saved = {k: c._attn_implementation for k, c in configs.items()}
+    try:
+        for c in configs.values():
+            c._attn_implementation = name
+        yield
+    finally:
+        for k, c in configs.items():
+            c._attn_implementation = saved[k]
+
+
+def _tolerance(dtype: torch.dtype, device: torch.device) -> float:
+    """Relative tolerance of the probe's comparison: far above the rounding of a four-token forward in the working
+    precision, far below the error of a model DTA computes wrongly. float32 matmuls on CUDA may run in TF32 (10-bit
+    mantissa), as coarse as half precision."""
+    if dtype == torch.float64:
+        return 1e-8
+    if dtype == torch.float32 and (device.type != "cuda" or torch.get_float32_matmul_precision() == "highest"):
+        return 1e-4
+    return 5e-2
+
+
+def _probe_forward(backbone, ids: torch.Tensor, positions: torch.Tensor, stack: KVStack, n_layers: int):
+    """One DTA forward of `ids` `(1, length)` after the tokens on `stack`: final hidden states `(1, length, hidden)`
+    and the new keys/values per layer, each `(1, n_kv_heads, length, head_dim)`."""
+    ctx = attention.AttentionContext(stack)
+    try:
+        hidden = backbone(input_ids=ids, position_ids=positions, use_cache=False, dta_ctx=ctx).last_hidden_state
+    except _ProbeFailure:
+        raise
+    except Exception as exc:
+        if ctx.calls:
+            raise
+        raise _ProbeFailure(
+            f"its forward fails before any layer reaches transformers' AttentionInterface ({_where(exc)}): it computes "
+            "attention in its own code, or does not accept the engine's keyword arguments"
+        ) from exc
+    if ctx.calls == 0:
+        raise _ProbeFailure(
+            "its layers never call transformers' AttentionInterface: it computes attention (or another token mixer) "
+            "in its own code, which DTA cannot give the path's keys/values"
+        )
+    if ctx.calls != n_layers or sorted(ctx.record) != list(range(n_layers)):
+        raise _ProbeFailure(
+            f"its {n_layers} layers make {ctx.calls} calls of transformers' AttentionInterface, under the layer "
+            f"indices {sorted(ctx.record)}; DTA needs exactly one call per layer (layers without attention, or with "
+            "looped or several attentions, keep state DTA does not carry along the path)"
+        )
+    return hidden, [ctx.record[layer] for layer in range(n_layers)]
+
+
+def _probe(lm, head: HeadSpec, n_layers: int) -> None:
+    """Compare the model's dense log-probs of four tokens with DTA's (one-token prefix, three-token continuation)."""
+    config = lm.config.get_text_config()
+    device = lm.get_input_embeddings().weight.device
+    vocab = config.vocab_size
+    ids = torch.tensor([[vocab // 2, vocab // 3, vocab // 5, vocab // 7]], device=device)  # (1, 4)
+    positions = torch.arange(4, device=device)[None]  # (1, 4)
+    targets = ids[0, 1:]  # (3,)
+    with torch.no_grad(), _eval_mode(lm):
+        logits = lm(input_ids=ids, position_ids=positions, use_cache=False).logits[0, :-1]  # (3, vocab)
+        with _attention_implementation(lm, _register_probe()):
+            backbone = lm.get_decoder()
+            stack = KVStack(n_layers)
+            first, kv = _probe_forward(backbone, ids[:, :1], positions[:, :1], stack, n_layers)
+            stack.push(Frame([k for k, _ in kv], [v for _, v in kv], 1))
+            rest, _ = _probe_forward(backbone, ids[:, 1:], positions[:, 1:], stack, n_layers)
+        hidden = torch.cat([first, rest], dim=1)[0, :-1]  # (3, hidden)
+        logps, entropy = head_logprobs(head, hidden, targets, entropy=True)  # (3,), (3,)
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    log_p = logits.log_softmax(-1)
+    want_lp = log_p.gather(-1, targets[:, None]).squeeze(-1)
+    want_ent = -(log_p.exp() * log_p).sum(-1)
+    scale = max(1.0, want_lp.abs().max().item(), want_ent.abs().max().item())
+    err = max((logps - want_lp).abs().max().item(), (entropy - want_ent).abs().max().item()) / scale
+    if not err <= _tolerance(lm.dtype, device):
+        raise _ProbeFailure(
+            f"a one-token prefix and its continuation through DTA give other log-probs than the dense forward of the "
+            f"same tokens (relative difference {err:.2g}): its outputs depend on something DTA does not reproduce "
+            "(a position bias or mask of its own, bidirectional attention, or a logit post-processing DTA does not "
+            "apply)"
+        )
+
+
+def _reason(lm) -> str | None:
+    """Why DTA cannot run `lm`, or None: the first rule that refuses it, else the probe's finding."""
+    config = lm.config.get_text_config()
+    family_rule = _FAMILY_RULES.get(config.model_type)
+    for rule in ((family_rule,) if family_rule is not None else ()) + _CONFIG_RULES:
+        reason = rule(config)
+        if reason is not None:
+            return reason
+    try:
+        _probe(lm, HeadSpec.from_model(lm), config.num_hidden_layers)
+    except _ProbeFailure as failure:
+        return str(failure)
+    except Exception as exc:  # raised inside transformers or torch: the model cannot run this way at all
+        return f"its forward fails with DTA's attention ({_where(exc)})"
+    return None
+
+
+def check_model_support(lm) -> None:
+    """Refuse, before any forward of the user's, a causal LM that runs densely but not through DTA.
+
+    Applies the rules, then the probe (see the module docstring). Model types outside [`TESTED_MODEL_TYPES`] that
+    pass get a one-time warning.
+
+    Args:
+        lm (`transformers.PreTrainedModel`): the causal LM (a PEFT model's base model, adapters active).
+
+    Raises:
+        `NotImplementedError`: naming the model type, the reason, the dense alternative and the tested families.
+    """
+    model_type = lm.config.get_text_config().model_type
+    tested = ", ".join(sorted(TESTED_MODEL_TYPES))
+    reason = _reason(lm)
+    if reason is not None:
+        raise NotImplementedError(
+            f"{type(lm).__name__} (model type '{model_type}') cannot run through DTA: {reason}. {DENSE_ALTERNATIVE} "
+            f"Model types tested with DTA: {tested}."
+        )
+    if model_type not in TESTED_MODEL_TYPES:
+        _checks.warn_once(
+            f"models:untested:{model_type}",
+            f"DTA: model type '{model_type}' is not among the tested families ({tested}); it passed the construction "
+            "probe (four tokens as a prefix and its continuation, checked against its dense forward).",
+        )
