@@ -1,6 +1,5 @@
 """`trl-dta analyze`: input formats, the numbers it prints, per-rank balance, and errors on malformed input."""
 
-import json
 import random
 import subprocess
 import sys
@@ -9,31 +8,19 @@ import numpy as np
 import pytest
 import torch
 
+from test_rollout_io import COMPLETIONS, GROUPS, PROMPTS, SEQS, run_json, write_jsonl
+
 from trl_dta.balance import CostModel, partition_for_ranks
-from trl_dta.cli import AnalysisError, analyze, load_sequences, main
-from trl_dta.flops import ATTN_BACKENDS, get_model_shape, ideal_ratio, peak_memory
+from trl_dta.cli import AnalysisError, analyze, main
+from trl_dta.flops import get_model_shape, ideal_ratio
+from trl_dta.memory import ATTN_BACKENDS, peak_memory
+from trl_dta.rollout_io import load_sequences
 from trl_dta.tree import PrefixTree
 
 
-PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14]]
-COMPLETIONS = [[20 + g, 30, 31] for g in range(4)]
-SEQS = [p + c for p in PROMPTS for c in COMPLETIONS]
-GROUPS = [0] * 4 + [1] * 4
-
-
-def _write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
-def _run_json(argv, capsys):
-    assert main(argv + ["--json"]) == 0
-    return json.loads(capsys.readouterr().out)
-
-
 def test_input_ids_jsonl(tmp_path, capsys):
-    src = _write_jsonl(tmp_path / "r.jsonl", [{"input_ids": s, "reward": 1.0} for s in SEQS])
-    result = _run_json(["analyze", src, "--model-shape", "qwen2-0.5b"], capsys)
+    src = write_jsonl(tmp_path / "r.jsonl", [{"input_ids": s, "reward": 1.0} for s in SEQS])
+    result = run_json(["analyze", src, "--model-shape", "qwen2-0.5b"], capsys)
     tree = PrefixTree.from_sequences(SEQS)
     assert result["sequences"] == 8
     assert result["tokens"] == tree.n_tokens == 4 * 9 + 4 * 7
@@ -58,60 +45,28 @@ def test_input_ids_jsonl(tmp_path, capsys):
 
 def test_prompt_and_completion_fields(tmp_path, capsys):
     rows = [{"prompt_ids": p, "completion_ids": c} for p in PROMPTS for c in COMPLETIONS]
-    src = _write_jsonl(tmp_path / "r.jsonl", rows)
-    auto = _run_json(["analyze", src], capsys)
-    explicit = _run_json(["analyze", src, "--prompt-field", "prompt_ids", "--completion-field", "completion_ids"],
+    src = write_jsonl(tmp_path / "r.jsonl", rows)
+    auto = run_json(["analyze", src], capsys)
+    explicit = run_json(["analyze", src, "--prompt-field", "prompt_ids", "--completion-field", "completion_ids"],
                          capsys)
     assert auto["tree_tokens"] == explicit["tree_tokens"] == PrefixTree.from_sequences(SEQS).n_tree_tokens
     # a custom single field
-    src2 = _write_jsonl(tmp_path / "f.jsonl", [{"ids": s} for s in SEQS])
-    assert _run_json(["analyze", src2, "--field", "ids"], capsys)["tree_tokens"] == auto["tree_tokens"]
+    src2 = write_jsonl(tmp_path / "f.jsonl", [{"ids": s} for s in SEQS])
+    assert run_json(["analyze", src2, "--field", "ids"], capsys)["tree_tokens"] == auto["tree_tokens"]
 
 
 def test_batches_split_sharing(tmp_path, capsys):
-    src = _write_jsonl(tmp_path / "r.jsonl", [{"input_ids": s} for s in SEQS])
-    per_batch = _run_json(["analyze", src, "--batch-size", "2"], capsys)
+    src = write_jsonl(tmp_path / "r.jsonl", [{"input_ids": s} for s in SEQS])
+    per_batch = run_json(["analyze", src, "--batch-size", "2"], capsys)
     expected = sum(PrefixTree.from_sequences(SEQS[i : i + 2]).n_tree_tokens for i in range(0, 8, 2))
     assert per_batch["batches"] == 4
     assert per_batch["tree_tokens"] == expected
-    assert per_batch["compression_ratio"] < _run_json(["analyze", src], capsys)["compression_ratio"]
-
-
-def test_text_with_tokenizer(tmp_path, capsys):
-    from trl_dta.tiny import build_tokenizer
-
-    tok = build_tokenizer()
-    tok.save_pretrained(tmp_path / "tok")
-    texts = ["1+2=3\n4+5=" + a for a in ("9", "8", "10")]
-    src = _write_jsonl(tmp_path / "t.jsonl", [{"text": t} for t in texts])
-    result = _run_json(["analyze", src, "--tokenizer", str(tmp_path / "tok")], capsys)
-    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    assert result["tree_tokens"] == PrefixTree.from_sequences(ids).n_tree_tokens
-    assert result["compression_ratio"] > 1.5
-    # prompt + completion text
-    src2 = _write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "1+2=3\n4+5=", "completion": a} for a in ("9", "8", "10")])
-    assert _run_json(["analyze", src2, "--tokenizer", str(tmp_path / "tok")], capsys)["tokens"] == result["tokens"]
-    # rows with the same prompt text form a group; a single text field gives no groups
-    assert load_sequences(src2, tokenizer=str(tmp_path / "tok"))[1] == [0, 0, 0]
-    assert load_sequences(src, tokenizer=str(tmp_path / "tok"))[1] is None
-
-
-def test_saved_dataset(tmp_path, capsys):
-    import datasets
-
-    ds = datasets.Dataset.from_dict({"input_ids": SEQS, "prompt_idx": [0] * 4 + [1] * 4})
-    ds.save_to_disk(str(tmp_path / "ds"))
-    result = _run_json(["analyze", str(tmp_path / "ds")], capsys)
-    assert result["tree_tokens"] == PrefixTree.from_sequences(SEQS).n_tree_tokens
-    datasets.DatasetDict({"train": ds, "test": ds.select(range(2))}).save_to_disk(str(tmp_path / "dd"))
-    assert _run_json(["analyze", str(tmp_path / "dd"), "--split", "test"], capsys)["sequences"] == 2
-    assert main(["analyze", str(tmp_path / "dd")]) == 2
-    assert "--split" in capsys.readouterr().err
+    assert per_batch["compression_ratio"] < run_json(["analyze", src], capsys)["compression_ratio"]
 
 
 def test_num_processes_balance(tmp_path, capsys):
-    src = _write_jsonl(tmp_path / "r.jsonl", [{"input_ids": s, "prompt_idx": i // 4} for i, s in enumerate(SEQS)])
-    result = _run_json(["analyze", src, "--num-processes", "2", "--group-field", "prompt_idx"], capsys)
+    src = write_jsonl(tmp_path / "r.jsonl", [{"input_ids": s, "prompt_idx": i // 4} for i, s in enumerate(SEQS)])
+    result = run_json(["analyze", src, "--num-processes", "2", "--group-field", "prompt_idx"], capsys)
     bal = result["balance"]
     assert bal is not None and bal["whole_groups"]
     # groups kept whole: each rank holds one prompt's group, so all sharing survives
@@ -159,53 +114,14 @@ def test_balance_prediction_is_the_trainers_partition(shape, k, batch_size, grou
 
 def test_prompt_completion_input_groups_by_prompt(tmp_path, capsys):
     rows = [{"prompt_ids": p, "completion_ids": c} for p in PROMPTS for c in COMPLETIONS]
-    src = _write_jsonl(tmp_path / "r.jsonl", rows)
+    src = write_jsonl(tmp_path / "r.jsonl", rows)
     seqs, groups = load_sequences(src)
     assert groups == [0] * 4 + [1] * 4
-    result = _run_json(["analyze", src, "--num-processes", "2", "--model-shape", "qwen2-0.5b"], capsys)
+    result = run_json(["analyze", src, "--num-processes", "2", "--model-shape", "qwen2-0.5b"], capsys)
     assert result["balance"] == _expected_balance(SEQS, groups, 2, 8, "qwen2-0.5b")
     assert result["balance"]["whole_groups"] and result["balance"]["compression_kept"] == pytest.approx(1.0)
-    single = _run_json(["analyze", src, "--num-processes", "2", "--model-shape", "qwen2-0.5b", "--no-groups"], capsys)
+    single = run_json(["analyze", src, "--num-processes", "2", "--model-shape", "qwen2-0.5b", "--no-groups"], capsys)
     assert single["balance"] == _expected_balance(SEQS, None, 2, 8, "qwen2-0.5b")
-
-
-@pytest.mark.parametrize(
-    "lines,args,message",
-    [
-        (['{"input_ids": [1, 2]}', '{"input_ids": [1, 3]}', "{not json"], [], "line 3: invalid JSON"),
-        (['{"input_ids": [1, 2]}', '{"ids": [1, 3]}'], [], "line 2: no token ids"),
-        (['{"input_ids": [1, 2]}', '{"input_ids": [1, "a"]}'], [], "line 2, field 'input_ids': token ids"),
-        (['{"input_ids": [1, -2]}'], [], "line 1, field 'input_ids': token ids must be non-negative"),
-        (['{"input_ids": "1 2"}'], [], "line 1, field 'input_ids': expected a list"),
-        (['{"ids": [1, 2]}', '{"x": 1}'], ["--field", "ids"], "line 2: missing field 'ids'"),
-        (['{"text": "abc"}'], [], "pass --tokenizer"),
-        (['[1, 2, 3]'], [], "line 1: expected a JSON object"),
-        (['{"prompt_ids": [1]}'], ["--prompt-field", "prompt_ids"], "go together"),
-        (['{"input_ids": [1, 2]}'], ["--batch-size", "0"], "argument --batch-size: must be a positive integer, got 0"),
-        (['{"input_ids": [1, 2]}'], ["--model-shape", "gpt-9"], "unknown `model_shape` (--model-shape) 'gpt-9'"),
-        (['{"input_ids": [1, 2]}'], ["--text-field", "t"], "--text-field needs --tokenizer"),
-        (['{"input_ids": [1, 2]}'], ["--group-field", "g", "--num-processes", "2"], "missing group field 'g'"),
-        ([], [], "no rows"),
-        (['{"input_ids": [1, 2.0]}'], [], "line 1, field 'input_ids': token ids must be non-negative integers"),
-        (['{"input_ids": [1, true]}'], [], "line 1, field 'input_ids': token ids must be non-negative integers"),
-        (['{"input_ids": [1, NaN]}'], [], "line 1, field 'input_ids': token ids must be non-negative integers"),
-        (['{"input_ids": null}'], [], "line 1, field 'input_ids': expected a list"),
-        (['{"input_ids": [1, 2]}', '{"input_ids": [1, 2]'], [], "line 2: invalid JSON"),
-        (['{"input_ids": [1], "g": 1.5}'], ["--group-field", "g"], "a group label must be an integer or a string"),
-        (['{"input_ids": [1], "g": true}'], ["--group-field", "g"], "a group label must be an integer or a string"),
-    ],
-)
-def test_malformed_input(tmp_path, capsys, lines, args, message):
-    src = tmp_path / "bad.jsonl"
-    src.write_text("\n".join(lines) + ("\n" if lines else ""))
-    assert main(["analyze", str(src)] + args) == 2
-    err = capsys.readouterr().err
-    assert message in err, err
-
-
-def test_missing_file(capsys):
-    assert main(["analyze", "/nonexistent/rollouts.jsonl"]) == 2
-    assert "no such file" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -295,7 +211,7 @@ def test_fraction_of_ideal_above_one():
 )
 def test_bad_flags_exit_2_with_one_line(tmp_path, capsys, args, message):
     rows = [{"input_ids": s, "g": i // 4, "bad": [i]} for i, s in enumerate(SEQS)]
-    src = _write_jsonl(tmp_path / "r.jsonl", rows)
+    src = write_jsonl(tmp_path / "r.jsonl", rows)
     assert main(["analyze", src] + args) == 2
     err = capsys.readouterr().err
     assert message in err, err
@@ -307,26 +223,11 @@ def test_help_exits_0(capsys):
     assert "benchmarks/RESULTS.md" in capsys.readouterr().out
 
 
-def test_load_sequences_with_groups(tmp_path):
-    src = _write_jsonl(tmp_path / "r.jsonl", [{"input_ids": s, "g": i // 4} for i, s in enumerate(SEQS)])
-    seqs, groups = load_sequences(src, group_field="g")
-    assert seqs == SEQS
-    assert groups == [0] * 4 + [1] * 4
-    assert load_sequences(src)[1] is None
-
-
 def test_console_entry_point(tmp_path):
-    src = _write_jsonl(tmp_path / "r.jsonl", [{"input_ids": s} for s in SEQS])
+    src = write_jsonl(tmp_path / "r.jsonl", [{"input_ids": s} for s in SEQS])
     out = subprocess.run([sys.executable, "-m", "trl_dta.cli", "analyze", src], capture_output=True, text=True,
                          check=True)
     assert "compression ratio" in out.stdout
-
-
-def test_not_utf8(tmp_path, capsys):
-    src = tmp_path / "latin1.jsonl"
-    src.write_bytes(b'{"input_ids": [1, 2]}\n{"text": "caf\xe9"}\n')
-    assert main(["analyze", str(src)]) == 2
-    assert "line 2: not UTF-8 text" in capsys.readouterr().err
 
 
 def test_model_shape_from_config_path(tmp_path, capsys):
@@ -336,8 +237,8 @@ def test_model_shape_from_config_path(tmp_path, capsys):
     config = Qwen2Config(hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=300)
     config.save_pretrained(tmp_path / "tiny-qwen")
-    src = _write_jsonl(tmp_path / "r.jsonl", [{"input_ids": s} for s in SEQS])
-    result = _run_json(["analyze", src, "--model-shape", str(tmp_path / "tiny-qwen"), "--num-processes", "2"], capsys)
+    src = write_jsonl(tmp_path / "r.jsonl", [{"input_ids": s} for s in SEQS])
+    result = run_json(["analyze", src, "--model-shape", str(tmp_path / "tiny-qwen"), "--num-processes", "2"], capsys)
     assert result["model_shape"] == "tiny-qwen"
     assert result["balance"] == _expected_balance(SEQS, None, 2, 8, config)
     assert result["balance"]["hidden_size"] == 96
@@ -345,8 +246,8 @@ def test_model_shape_from_config_path(tmp_path, capsys):
 
 def test_peak_memory_per_backend(tmp_path, capsys):
     # 2 prompts x 4 completions; the estimate is `flops.peak_memory` of the worst batch (or rank), per backend
-    src = _write_jsonl(tmp_path / "r.jsonl", [{"input_ids": s, "g": i // 4} for i, s in enumerate(SEQS)])
-    result = _run_json(["analyze", src, "--model-shape", "qwen3-8b", "--dtype", "fp32", "--max-graph-tokens",
+    src = write_jsonl(tmp_path / "r.jsonl", [{"input_ids": s, "g": i // 4} for i, s in enumerate(SEQS)])
+    result = run_json(["analyze", src, "--model-shape", "qwen3-8b", "--dtype", "fp32", "--max-graph-tokens",
                         "none", "--max-batch-tokens", "6"], capsys)
     assert result["dtype"] == "fp32" and list(result["peak_memory"]) == list(ATTN_BACKENDS)
     for backend, m in result["peak_memory"].items():
@@ -368,3 +269,69 @@ def test_peak_memory_per_backend(tmp_path, capsys):
         analyze(SEQS, max_graph_tokens=-1)
     assert main(["analyze", src, "--max-graph-tokens", "x"]) == 2
     assert "argument --max-graph-tokens: must be an integer >= 0 or 'none', got 'x'" in capsys.readouterr().err
+
+
+def _conversations(tasks: int, per_task: int) -> tuple[list[dict], list[list[int]], list[list[list[int]]]]:
+    """Rows with `turns` + `roles` (a shared system prompt, a task opening, 2-3 assistant turns each), the episodes
+    and their per-turn rows (built here by hand: the conversation up to the end of each assistant turn)."""
+    rng = random.Random(tasks * 10 + per_task)
+    system = [rng.randrange(3, 90) for _ in range(40)]
+    rows, episodes, per_turn = [], [], []
+    for task in range(tasks):
+        opening = [100 + task] + [rng.randrange(3, 90) for _ in range(8)]
+        for _ in range(per_task):
+            turns, roles, cuts = [system, opening], ["system", "user"], []
+            for _ in range(rng.randint(2, 3)):
+                turns += [[rng.randrange(3, 90) for _ in range(rng.randint(3, 12))] for _ in range(2)]
+                roles += ["assistant", "tool"]
+                cuts.append(sum(map(len, turns[:-1])))
+            ids = [t for turn in turns for t in turn]
+            rows.append({"turns": turns, "roles": roles, "task": task})
+            episodes.append(ids)
+            per_turn.append([ids[:cut] for cut in cuts])
+    return rows, episodes, per_turn
+
+
+def test_conversation_layouts(tmp_path, capsys):
+    rows, episodes, per_turn = _conversations(2, 3)
+    src = write_jsonl(tmp_path / "c.jsonl", rows)
+    both = run_json(["analyze", src, "--model-shape", "qwen2-0.5b"], capsys)
+    assert list(both) == ["episode", "per_turn"]
+    assert both["episode"] == analyze(episodes, "qwen2-0.5b")
+    assert both["per_turn"] == analyze(episodes, "qwen2-0.5b", rows=per_turn)
+    turn_rows = [row for rows_of in per_turn for row in rows_of]
+    tree = PrefixTree.from_sequences(turn_rows)
+    assert both["per_turn"]["sequences"] == len(turn_rows) > both["episode"]["sequences"] == 6
+    assert (both["per_turn"]["tokens"], both["per_turn"]["tree_tokens"]) == (tree.n_tokens, tree.n_tree_tokens)
+    assert both["per_turn"]["ideal_speedup"] == pytest.approx(ideal_ratio(turn_rows, "qwen2-0.5b"))
+    # the turns of an episode are nested prefixes: the per-turn layout's tree holds no more than the episodes'
+    assert both["per_turn"]["tree_tokens"] <= both["episode"]["tree_tokens"]
+    assert both["per_turn"]["compression_ratio"] > both["episode"]["compression_ratio"] > 1
+    only = run_json(["analyze", src, "--model-shape", "qwen2-0.5b", "--layout", "per_turn"], capsys)
+    assert only == {"per_turn": both["per_turn"]}
+    assert main(["analyze", src, "--batch-size", "3"]) == 0
+    table = capsys.readouterr().out
+    assert "layout: episode (one sequence per conversation)" in table
+    assert "layout: per_turn (one sequence per assistant turn)" in table
+    assert table.count("compression ratio") == 2
+
+
+def test_conversation_layouts_per_rank(tmp_path, capsys):
+    # Ranks get whole conversations (groups: the task), as the trainers deal out episodes; each rank's per-turn
+    # forest is the turns of its own conversations.
+    rows, episodes, per_turn = _conversations(4, 2)
+    groups = [row["task"] for row in rows]
+    src = write_jsonl(tmp_path / "c.jsonl", rows)
+    result = run_json(["analyze", src, "--num-processes", "2", "--group-field", "task", "--model-shape", "qwen3-8b",
+                       "--max-graph-tokens", "none"], capsys)
+    for layout in ("episode", "per_turn"):
+        assert result[layout]["balance"] == _expected_balance(episodes, groups, 2, 8, "qwen3-8b")
+    model = CostModel(hidden_size=get_model_shape("qwen3-8b").hidden_size)
+    parts = partition_for_ranks(episodes, 2, group_ids=groups, cost_model=model).parts
+    worst = max(peak_memory([row for j in part for row in per_turn[j]], "qwen3-8b", "sdpa", max_graph_tokens=None).total
+                for part in parts)
+    assert result["per_turn"]["peak_memory"]["sdpa"]["total"] == worst
+    with pytest.raises(ValueError, match="`rows` must be a list with the training rows of each of the 8 sequences"):
+        analyze(episodes, rows=per_turn[:3])
+    with pytest.raises(AnalysisError, match="`rows` holds no training row"):
+        analyze(episodes, rows=[[] for _ in episodes])

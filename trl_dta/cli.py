@@ -8,11 +8,20 @@ trl-dta analyze rollouts.jsonl                                   # JSONL rows wi
 trl-dta analyze rollouts.jsonl --prompt-field prompt_ids --completion-field completion_ids
 trl-dta analyze chats.jsonl --text-field text --tokenizer Qwen/Qwen3-1.7B
 trl-dta analyze ./saved_dataset --split train --batch-size 512 --num-processes 8 --model-shape qwen3-1.7b
+trl-dta analyze conversations.jsonl --tokenizer Qwen/Qwen3-1.7B                  # rows with `messages`
+trl-dta analyze episodes.jsonl --layout per_turn                                # rows with `turns` + `roles`
 ```
 
 Rows are read in order and cut into global batches of `--batch-size` sequences (what one optimizer step sees; default:
 all rows form one batch). For each batch the prefix tree is built; the table reports totals over batches and the
 ideal FLOP speed-up (`trl_dta.flops`: dense FLOPs over tree FLOPs, forward + backward, for `--model-shape`).
+
+Conversations (rows with `messages`, rendered by the `--tokenizer`'s chat template, or `turns` of token ids with
+`roles` or an `assistant_mask`; `trl_dta.rollout_io`) are analyzed in the training layouts of `dta_sample_layout`
+(`--layout`, default both): `episode`, one sequence per conversation, and `per_turn`, one sequence per assistant turn
+holding the conversation up to and including that turn. `--batch-size`, `--group-field` and `--num-processes` count
+conversations (the trainers' generation batch holds episodes; each rank trains the turns of its own episodes), so
+the balance rows are the same in both layouts, and the peak memory is that of each rank's rows in the layout.
 
 The *predicted* DTA speed-up is `ideal x f`: `f` (`--fraction-of-ideal`, default 0.8) is the fraction of the ideal
 FLOP speed-up that DTA reaches over TRL's dense path. The measured fractions, per workload and device, are the
@@ -30,7 +39,7 @@ groups into whole groups per rank. The table adds the most loaded rank's share, 
 cost) and the fraction of the single-forest compression that survives the split.
 
 The table ends with the estimated peak memory of a DTA training step per attention backend, above the weights,
-gradients and optimizer state (`trl_dta.flops.peak_memory`, for `--model-shape` in `--dtype`, the worst batch, or the
+gradients and optimizer state (`trl_dta.memory.peak_memory`, for `--model-shape` in `--dtype`, the worst batch, or the
 worst rank's forest with `--num-processes`): the path's keys/values, the kept graph, the largest forward, and for
 `sdpa` the copies of the path's keys/values that a batch of sibling rows saves (one per row per layer), which the
 two-part backends avoid. The engine budgets are the DTA trainers' defaults under TRL's default
@@ -43,15 +52,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 
 from ._checks import check_float, check_int
+from .rollout_io import LAYOUTS, AnalysisError, is_conversation_source, layout_rows, load_conversations, load_sequences
 
 
-__all__ = ["AnalysisError", "analyze", "load_sequences", "main"]
+__all__ = ["AnalysisError", "analyze", "format_table", "main"]
 
 # Fraction of the ideal FLOP speed-up assumed for `trl-dta analyze`'s predicted speed-up when none is given: a
 # conservative guess below the measured `fraction_of_ideal` values of benchmarks/RESULTS.md; override with
@@ -61,187 +70,6 @@ DEFAULT_FRACTION_OF_IDEAL = 0.8
 # The DTA trainers' kept-graph budget under TRL's default `gradient_checkpointing=True` (`dta_max_graph_tokens`
 # becomes `dta_block_size`, 1024): the budget of the peak-memory estimate unless one is given.
 DEFAULT_MAX_GRAPH_TOKENS = 1024
-
-
-class AnalysisError(ValueError):
-    """Malformed input for `trl-dta analyze` (the message names the row and the field)."""
-
-
-# ------------------------------------------------------------------------------------------------------ loading
-
-
-def _ids(value, where: str) -> list[int]:
-    if not isinstance(value, (list, tuple)):
-        raise AnalysisError(f"{where}: expected a list of token ids, got {type(value).__name__}")
-    for t in value:
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise AnalysisError(f"{where}: token ids must be non-negative integers, found {t!r}")
-    return list(value)
-
-
-class _RowParser:
-    """Turns one record (dict) into a list of token ids according to the command-line options, and the row's prompt
-    (a tuple of ids or a string) when it is read as a prompt + completion pair, else None."""
-
-    def __init__(self, field: str | None, prompt_field: str | None, completion_field: str | None,
-                 text_field: str | None, tokenizer):
-        self.field, self.prompt_field, self.completion_field = field, prompt_field, completion_field
-        self.text_field, self.tokenizer = text_field, tokenizer
-        if (prompt_field is None) != (completion_field is None):
-            raise AnalysisError("--prompt-field and --completion-field go together; give both or neither")
-
-    def __call__(self, row, where: str) -> tuple[list[int], tuple | str | None]:
-        if not isinstance(row, dict):
-            raise AnalysisError(f"{where}: expected a JSON object, got {type(row).__name__}")
-        if self.tokenizer is not None:
-            return self._text(row, where)
-        fields = _fields(row, (self.prompt_field, self.completion_field), self.field, _ID_FIELDS)
-        if fields is None:
-            text = [k for k in ("text", "prompt", "completion", "messages") if k in row]
-            hint = f"; it has text fields {text}: pass --tokenizer NAME_OR_PATH" if text else ""
-            raise AnalysisError(
-                f"{where}: no token ids: expected field 'input_ids' (or --field NAME, or prompt_ids + "
-                f"completion_ids); fields present: {sorted(row)}{hint}"
-            )
-        parts = [_ids(_field(row, f, where), f"{where}, field '{f}'") for f in fields]
-        return [t for part in parts for t in part], tuple(parts[0]) if len(parts) == 2 else None
-
-    def _text(self, row, where: str) -> tuple[list[int], str | None]:
-        fields = _fields(row, (None, None), self.text_field, _TEXT_FIELDS)
-        if fields is None:
-            raise AnalysisError(
-                f"{where}: no text: expected field 'text' (or --text-field NAME, or prompt + completion); "
-                f"fields present: {sorted(row)}"
-            )
-        parts = [_field(row, f, where) for f in fields]
-        for f, part in zip(fields, parts):
-            if not isinstance(part, str):
-                raise AnalysisError(f"{where}, field '{f}': expected a string, got {type(part).__name__}")
-        ids = list(self.tokenizer("".join(parts), add_special_tokens=False)["input_ids"])
-        return ids, parts[0] if len(parts) == 2 else None
-
-
-# Fields read when none is named, in order of preference: one field, or a prompt + completion pair.
-_ID_FIELDS = (("input_ids",), ("prompt_ids", "completion_ids"))
-_TEXT_FIELDS = (("text",), ("prompt", "completion"))
-
-
-def _fields(row: dict, pair: tuple, single: str | None, defaults: tuple) -> list[str] | None:
-    """The fields to read: the named pair, else the named single field, else the first default present in `row`."""
-    if pair[0] is not None:
-        return list(pair)
-    if single is not None:
-        return [single]
-    return next((list(names) for names in defaults if all(n in row for n in names)), None)
-
-
-def _field(row: dict, name: str, where: str):
-    if name not in row:
-        raise AnalysisError(f"{where}: missing field '{name}' (fields present: {sorted(row)})")
-    return row[name]
-
-
-def _group_label(value, where: str):
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise AnalysisError(f"{where}: a group label must be an integer or a string, got {value!r}")
-    return value
-
-
-def _jsonl_rows(path: Path) -> Iterator[tuple[dict, str]]:
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise AnalysisError(f"{path.name} line {n}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-            if not line.strip():
-                continue
-            try:
-                yield json.loads(line), f"{path.name} line {n}"
-            except json.JSONDecodeError as e:
-                raise AnalysisError(f"{path.name} line {n}: invalid JSON ({e.msg} at column {e.colno})") from None
-
-
-def _dataset_rows(source: str, split: str | None) -> Iterator[tuple[dict, str]]:
-    import datasets
-
-    path = Path(source)
-    if path.is_dir():
-        ds = datasets.load_from_disk(str(path))
-    else:
-        ds = datasets.load_dataset(source, split=split)
-    if isinstance(ds, datasets.DatasetDict):
-        if split is None:
-            if len(ds) != 1:
-                raise AnalysisError(f"{source} has splits {list(ds)}; choose one with --split")
-            split = next(iter(ds))
-        if split not in ds:
-            raise AnalysisError(f"{source} has no split '{split}'; splits: {list(ds)}")
-        ds = ds[split]
-    for n, row in enumerate(ds):
-        yield row, f"{source} row {n}"
-
-
-def load_sequences(
-    source: str,
-    field: str | None = None,
-    prompt_field: str | None = None,
-    completion_field: str | None = None,
-    text_field: str | None = None,
-    tokenizer: str | None = None,
-    split: str | None = None,
-    group_field: str | None = None,
-) -> tuple[list[list[int]], list | None]:
-    """Read rollouts as token-id lists, and their group labels.
-
-    Args:
-        source (`str`): a `.jsonl`/`.json` file (one JSON object per line), a folder written by
-            `datasets.Dataset.save_to_disk`, or a dataset name for `datasets.load_dataset`.
-        field (`str`, *optional*): the token-id field (default: `input_ids`, else `prompt_ids` + `completion_ids`).
-        prompt_field, completion_field (`str`, *optional*): two token-id fields to concatenate.
-        text_field (`str`, *optional*): the text field when `tokenizer` is given (default: `text`, else
-            `prompt` + `completion`).
-        tokenizer (`str`, *optional*): name or path for `transformers.AutoTokenizer` (text input).
-        split (`str`, *optional*): dataset split.
-        group_field (`str`, *optional*): a per-row group label (an integer or a string, e.g. the prompt index), kept
-            together across ranks.
-
-    Returns:
-        `(seqs, groups)`: the token-id lists, and a group label per row: the `group_field` values; else, when rows are
-        read as prompt + completion, the index of each row's prompt (rows with the same prompt form a group, as a
-        prompt's completions do in GRPO); else `None`.
-
-    Raises:
-        [`AnalysisError`]: on malformed input, naming the line (or row) and the field.
-    """
-    tok = None
-    if tokenizer is not None:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(tokenizer)
-    elif text_field is not None:
-        raise AnalysisError("--text-field needs --tokenizer NAME_OR_PATH to turn text into token ids")
-    parse = _RowParser(field, prompt_field, completion_field, text_field, tok)
-    path = Path(source)
-    if path.is_file():
-        rows: Iterable = _jsonl_rows(path)
-    elif path.is_dir() or not path.suffix:
-        rows = _dataset_rows(source, split)
-    else:
-        raise AnalysisError(f"{source}: no such file")
-    seqs, labels, prompts = [], [], {}
-    for row, where in rows:
-        ids, prompt = parse(row, where)
-        seqs.append(ids)
-        if group_field:
-            if group_field not in row:
-                raise AnalysisError(f"{where}: missing group field '{group_field}'")
-            labels.append(_group_label(row[group_field], f"{where}, group field '{group_field}'"))
-        elif prompt is not None:
-            labels.append(prompts.setdefault(prompt, len(prompts)))
-    if not seqs:
-        raise AnalysisError(f"{source}: no rows")
-    return seqs, labels if len(labels) == len(seqs) else None
 
 
 # ------------------------------------------------------------------------------------------------------ analysis
@@ -257,6 +85,7 @@ def analyze(
     dtype: str = "bf16",
     max_batch_tokens: int = 8192,
     max_graph_tokens: int | None = DEFAULT_MAX_GRAPH_TOKENS,
+    rows: list | None = None,
 ) -> dict:
     """Prefix-sharing statistics of rollouts and the speed-ups DTA can give on them.
 
@@ -275,10 +104,14 @@ def analyze(
         max_batch_tokens (`int`, *optional*, defaults to `8192`): the engine's sibling-batch budget, for the estimate.
         max_graph_tokens (`int`, *optional*, defaults to `1024`): the engine's kept-graph budget, for the estimate
             (None keeps every graph).
+        rows (`list[list[list[int]]]`, *optional*): the training rows each sequence becomes, e.g. the per-turn rows
+            of a conversation ([`~trl_dta.rollout_io.layout_rows`]); default: the sequence itself. Batches, groups and
+            the rank split count sequences (conversations, as the trainers' generation batch counts episodes, and
+            each rank trains the rows of its own conversations); tokens, trees, FLOPs and memory are the rows'.
 
     Returns:
         `dict` of the table's values (`balance` is `None` without `num_processes`, or a dict of its row;
-        `peak_memory` maps each attention backend to its [`~trl_dta.flops.MemoryEstimate`] fields and `total`, in
+        `peak_memory` maps each attention backend to its [`~trl_dta.memory.MemoryEstimate`] fields and `total`, in
         bytes, at the worst batch or rank).
 
     Raises:
@@ -286,7 +119,8 @@ def analyze(
     """
     from .balance import CostModel
     from .balance.partition import check_group_ids
-    from .flops import DTYPE_BYTES, dense_flops, tree_flops
+    from .flops import dense_flops, tree_flops
+    from .memory import DTYPE_BYTES
     from .tree import PrefixTree
 
     shape = _model_shape(model_shape)
@@ -303,6 +137,13 @@ def analyze(
                    max_graph_tokens=check_int("max_graph_tokens", max_graph_tokens, minimum=0, allow_none=True))
     batches = [(start, min(start + size, len(seqs))) for start in range(0, len(seqs), size)]
     labels = check_group_ids(groups, len(seqs), name="groups")
+    if rows is not None and (not isinstance(rows, list) or len(rows) != len(seqs)):
+        raise ValueError(f"`rows` must be a list with the training rows of each of the {len(seqs)} sequences, got "
+                         f"{len(rows) if isinstance(rows, list) else type(rows).__name__}")
+
+    def training_rows(indices) -> list:
+        return [seqs[j] for j in indices] if rows is None else [row for j in indices for row in rows[j]]
+
     if k is not None:
         _check_splittable(batches, k, labels)
     cost_model = CostModel(hidden_size=shape.hidden_size)
@@ -311,7 +152,8 @@ def analyze(
     balance = dict(max_share=[], imbalance=[], compression_kept=[])
     memory: dict = {}
     for i, (start, end) in enumerate(batches):
-        tree = _batch_tree(seqs, start, end, i)
+        episodes = _batch_tree(seqs, start, end, i)
+        tree = episodes if rows is None else PrefixTree.from_sequences(training_rows(range(start, end)))
         totals["batches"] += 1
         totals["sequences"] += tree.n_sequences
         totals["tokens"] += tree.n_tokens
@@ -322,10 +164,12 @@ def analyze(
         totals["tree_flops"] += tree_flops(tree, shape).total
         forests = [tree]
         if k is not None:
-            parts = _balance(tree, k, None if labels is None else labels[start:end], cost_model, balance)
-            forests = [PrefixTree.from_sequences([seqs[start + j] for j in part]) for part in parts]
+            parts = _balance(episodes, k, None if labels is None else labels[start:end], cost_model, balance)
+            forests = [PrefixTree.from_sequences(training_rows(start + j for j in part)) for part in parts]
         for forest in forests:
             _peak_memory(forest, shape, dtype, budgets, memory)
+    if not totals["sequences"]:
+        raise AnalysisError("`rows` holds no training row: there is nothing to analyze")
     ideal = totals["dense_flops"] / totals["tree_flops"] if totals["tree_flops"] else 1.0
     result = {
         **totals,
@@ -424,7 +268,7 @@ def _peak_memory(forest, shape, dtype: str, budgets: dict, acc: dict) -> None:
     """Keep, per attention backend, the estimate of the forest with the largest peak so far."""
     from dataclasses import asdict
 
-    from .flops import ATTN_BACKENDS, peak_memory
+    from .memory import ATTN_BACKENDS, peak_memory
 
     for backend in ATTN_BACKENDS:
         estimate = peak_memory(forest, shape, backend, dtype, **budgets)
@@ -466,6 +310,10 @@ def format_table(result: dict) -> str:
                          f"tokens {_gb(m['batch_activations'])}, path copies {_gb(m['prefix_copies'])})"))
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+# What one training row of a conversation is, per layout.
+_LAYOUT_ROWS = {"episode": "one sequence per conversation", "per_turn": "one sequence per assistant turn"}
 
 
 def _gb(n_bytes: int) -> str:
@@ -522,7 +370,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--completion-field", default=None, help="token-id field of the completion")
     p.add_argument("--text-field", default=None, help="text field (with --tokenizer; default: text, else "
                    "prompt+completion)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer name or path for text input")
+    p.add_argument("--tokenizer", default=None, help="tokenizer name or path for text input, and whose chat template "
+                   "renders 'messages'")
+    p.add_argument("--layout", default=None, choices=[*LAYOUTS, "both"],
+                   help="training layout(s) of conversations (default: both)")
     p.add_argument("--split", default=None, help="dataset split")
     p.add_argument("--group-field", default=None, help="per-row group label kept on one rank (default: the prompt "
                    "for prompt + completion input)")
@@ -546,6 +397,26 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _load(args) -> tuple[list, list | None, dict]:
+    """The sequences of `args.source`, their group labels, and per layout the training rows of each sequence
+    (`{None: None}` for sequences, which train as themselves)."""
+    sequence_flags = (args.field, args.prompt_field, args.completion_field, args.text_field)
+    if all(flag is None for flag in sequence_flags) and is_conversation_source(args.source, args.split):
+        conversations, groups = load_conversations(args.source, args.tokenizer, args.split, args.group_field)
+        layouts = LAYOUTS if args.layout in (None, "both") else (args.layout,)
+        rows = {layout: None if layout == "episode" else [layout_rows(ids, mask, layout) for ids, mask in conversations]
+                for layout in layouts}
+        return [ids for ids, _ in conversations], groups, rows
+    if args.layout is not None:
+        raise AnalysisError("--layout applies to conversations (rows with 'messages' or 'turns'); this source holds "
+                            "sequences")
+    seqs, groups = load_sequences(
+        args.source, field=args.field, prompt_field=args.prompt_field, completion_field=args.completion_field,
+        text_field=args.text_field, tokenizer=args.tokenizer, split=args.split, group_field=args.group_field,
+    )
+    return seqs, groups, {None: None}
+
+
 def main(argv: list[str] | None = None) -> int:
     """`trl-dta` console entry point; returns the exit code (2 on bad input, with a one-line message)."""
     try:
@@ -555,18 +426,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.no_groups and args.group_field is not None:
             raise AnalysisError("--no-groups and --group-field contradict each other; give one")
-        seqs, groups = load_sequences(
-            args.source, field=args.field, prompt_field=args.prompt_field, completion_field=args.completion_field,
-            text_field=args.text_field, tokenizer=args.tokenizer, split=args.split, group_field=args.group_field,
-        )
-        result = analyze(seqs, args.model_shape, args.batch_size, args.num_processes,
-                         None if args.no_groups else groups, args.fraction_of_ideal, dtype=args.dtype,
-                         max_batch_tokens=args.max_batch_tokens, max_graph_tokens=args.max_graph_tokens)
+        seqs, groups, layouts = _load(args)
+        results = {
+            layout: analyze(seqs, args.model_shape, args.batch_size, args.num_processes,
+                            None if args.no_groups else groups, args.fraction_of_ideal, dtype=args.dtype,
+                            max_batch_tokens=args.max_batch_tokens, max_graph_tokens=args.max_graph_tokens, rows=rows)
+            for layout, rows in layouts.items()
+        }
     except (ValueError, TypeError, OSError) as e:
         message = " ".join(str(e).split())
         print(f"trl-dta analyze: error: {message}", file=sys.stderr)
         return 2
-    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    if None in results:  # sequences: one result
+        print(json.dumps(results[None], indent=2) if args.json else format_table(results[None]))
+    elif args.json:  # conversations: one result per layout
+        print(json.dumps(results, indent=2))
+    else:
+        print("\n\n".join(f"layout: {layout} ({_LAYOUT_ROWS[layout]})\n{format_table(result)}"
+                          for layout, result in results.items()))
     return 0
 
 
