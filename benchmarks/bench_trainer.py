@@ -12,6 +12,7 @@ instead of 4x).
 ```
 python -m benchmarks.bench_trainer --quick
 python -m benchmarks.bench_trainer --device cuda --dtype bf16 --model-shape qwen3-1.7b
+python -m benchmarks.bench_trainer --compression     # tree compression per micro-batch vs per optimizer step only
 ```
 
 Methods: `trl` (GRPOTrainer, `gradient_checkpointing=False`), `trl+ckpt` (TRL's default, HF checkpointing), `dta`
@@ -60,6 +61,42 @@ def rollout_batch(workload: workloads.Workload, prompt_len: int, seed: int = 0) 
         "advantages": torch.randn(n, generator=gen),
         "num_items_in_batch": completion_mask.sum(),
     }
+
+
+def step_compression(accumulations=(1, 4, 8), micro_batch_size: int = 8, micro_batches: int = 8,
+                     seed: int = 0) -> list[dict]:
+    """Compression per micro-batch vs per optimizer step on the GRPO grid, computed from the trees (no training).
+
+    A generation batch of `micro_batch_size * micro_batches` rows (whole prompt groups) is shuffled with TRL's draw
+    (`torch.randperm`, as `shuffle_sequence_dict`) and cut into `micro_batches` micro-batches of TRL's size; an
+    optimizer step accumulates `gradient_accumulation_steps` of them. `per_micro_batch` = tokens / the summed tree
+    tokens of the micro-batches (DTA before whole-step forests), `per_step` = tokens / the summed tree tokens of the
+    steps' forests (one forest per optimizer step), `whole_batch` = the generation batch as one tree.
+    """
+    from trl_dta.tree import PrefixTree
+
+    rows = []
+    n = micro_batch_size * micro_batches
+    for prompt_len, group, completion_len in workloads.GRPO_GRID:
+        w = workloads.grpo(prompt_len, group, completion_len, n_prompts=n // group, seed=seed)
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+        seqs = [w.seqs[i] for i in order]
+        micro = [seqs[i : i + micro_batch_size] for i in range(0, n, micro_batch_size)]
+        tokens = sum(len(s) for s in seqs)
+        micro_tree = sum(PrefixTree.from_sequences(m).n_tree_tokens for m in micro)
+        for accumulation in accumulations:
+            steps = [[s for m in micro[i : i + accumulation] for s in m] for i in range(0, micro_batches, accumulation)]
+            step_tree = sum(PrefixTree.from_sequences(step).n_tree_tokens for step in steps)
+            rows.append({
+                "workload": w.name,
+                "rows": n,
+                "micro_batch_size": micro_batch_size,
+                "gradient_accumulation_steps": accumulation,
+                "per_micro_batch": round(tokens / micro_tree, 3),
+                "per_step": round(tokens / step_tree, 3),
+                "whole_batch": round(w.tree().compression_ratio, 3),
+            })
+    return rows
 
 
 def _trainer_class(method: str):
@@ -178,7 +215,13 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=2, help="timed optimizer steps (after one warm-up step)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-isolate", action="store_true")
+    p.add_argument("--compression", action="store_true",
+                   help="only print the tree compression per micro-batch vs per optimizer step (no training)")
     args = p.parse_args(argv)
+    if args.compression:
+        rows = step_compression()
+        print(common.markdown_table(rows, columns=list(rows[0])))
+        return
 
     cpu = args.device == "cpu"
     shape = args.model_shape or ("bench-cpu-quick" if args.quick else "bench-cpu")

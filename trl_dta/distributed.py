@@ -26,22 +26,12 @@ import torch
 import torch.distributed as dist
 
 from .balance import CostModel, Partition, partition
+from .batch import num_rows, sequences, take_rows
 from .tree import PrefixTree
 
 # Keys of a TRL generation batch whose second dimension is the (left-padded) prompt.
 _PROMPT_KEYS = ("prompt_ids", "prompt_mask")
 _BUCKET_BYTES = 32 * 1024 * 1024
-
-
-def _rows(batch: dict) -> int:
-    return len(batch["prompt_ids"])
-
-
-def sequences(batch: dict) -> list[torch.Tensor]:
-    """Each row's unpadded prompt + completion tokens (1-D, CPU)."""
-    prompt, pmask = batch["prompt_ids"].cpu(), batch["prompt_mask"].cpu().bool()
-    completion, cmask = batch["completion_ids"].cpu(), batch["completion_mask"].cpu().bool()
-    return [torch.cat([p[m], c[n]]) for p, m, c, n in zip(prompt, pmask, completion, cmask)]
 
 
 def gather_batch(accelerator, batch: dict, pad_token_id: int) -> dict:
@@ -50,7 +40,7 @@ def gather_batch(accelerator, batch: dict, pad_token_id: int) -> dict:
     Per-row tensors are padded to the widest rank first (prompt tensors on the left, everything else on the right);
     scalars (`num_items_in_batch`) are already global and kept; None stays None.
     """
-    n = _rows(batch)
+    n = num_rows(batch)
     out = {}
     for key, value in batch.items():
         if value is None or (isinstance(value, torch.Tensor) and value.ndim == 0):
@@ -65,18 +55,6 @@ def gather_batch(accelerator, batch: dict, pad_token_id: int) -> dict:
             pad = pad_token_id if key == "prompt_ids" else 0
             value = accelerator.pad_across_processes(value, dim=1, pad_index=pad, pad_first=key in _PROMPT_KEYS)
         out[key] = accelerator.gather(value)
-    return out
-
-
-def take_rows(batch: dict, rows: torch.Tensor) -> dict:
-    """The given rows of every per-row tensor; scalars and None unchanged."""
-    n = _rows(batch)
-    out = {}
-    for key, value in batch.items():
-        if isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape[0] == n:
-            out[key] = value[rows.to(value.device)]
-        else:
-            out[key] = value
     return out
 
 

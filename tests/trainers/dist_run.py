@@ -68,15 +68,21 @@ def with_fixed_batch(cls):
             assert n * self.accelerator.num_processes == GROUPS * G, (n, self.accelerator.num_processes)
             for key, value in fixed.items():
                 out[key] = value if value.ndim == 0 else value[rank * n : (rank + 1) * n]
-            if "old_logps" in out:  # RLOO: the sequence log-probs of the (new) completions under the current policy
+            # Old-policy log-probs of the (new) completions under the current policy: RLOO's sequence sums, and
+            # GRPO's per-token values when a generation feeds several optimizer steps.
+            old_keys = [k for k in ("old_logps", "old_per_token_logps") if out.get(k) is not None]
+            if old_keys:
                 ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
                 mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
                 with torch.no_grad():
                     per_token, _, _ = self._get_per_token_logps_and_entropies(
                         self.model, ids, mask, out["completion_ids"].size(1)
                     )
-                out["old_logps"] = (per_token * out["completion_mask"]).sum(1)
-                fixed = {**fixed, "old_logps": None}
+                if "old_logps" in old_keys:
+                    out["old_logps"] = (per_token * out["completion_mask"]).sum(1)
+                if "old_per_token_logps" in old_keys:
+                    out["old_per_token_logps"] = per_token
+                fixed = {**fixed, **dict.fromkeys(old_keys)}
             stale = [k for k, v in out.items() if k not in fixed and isinstance(v, torch.Tensor)]
             assert not stale, f"entries computed from the sampled completions would be stale: {stale}"
             return out
@@ -93,6 +99,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--processes", type=int, required=True)
     parser.add_argument("--cost_model", default="default")
+    parser.add_argument("--spg", type=int, default=2, help="steps_per_generation")
+    parser.add_argument("--ga", type=int, default=2, help="gradient_accumulation_steps")
     parser.add_argument("--model_dir", required=True)
     args = parser.parse_args()
 
@@ -112,13 +120,15 @@ def main() -> None:
         cls, config_cls = (DTARLOOTrainer, DTARLOOConfig) if args.dta else (RLOOTrainer, RLOOConfig)
     tokenizer = build_tokenizer()
     dataset = Dataset.from_dict({"prompt": [f"prompt number {i}: a+b=" for i in range(GROUPS * 4)]})
-    per_device = GROUPS * G // (2 * args.processes)  # two micro-batches per step, whatever the process count
-    extra = dict(dta_min_compression=0.0, dta_cost_model=args.cost_model) if args.dta else {}
+    per_device = GROUPS * G // (args.spg * args.processes)  # `spg` micro-batches per generation, any process count
+    extra = dict(dta_cost_model=args.cost_model) if args.dta else {}  # otherwise DTA's defaults
     config = make_args(
         config_cls,
         Path(args.out).parent / f"run-{Path(args.out).stem}",
         args.steps,
         per_device_train_batch_size=per_device,
+        steps_per_generation=args.spg,
+        gradient_accumulation_steps=args.ga,
         num_generations=G,
         max_completion_length=4,
         beta=0.0,  # no reference log-probs (they would belong to the sampled, replaced completions)

@@ -91,11 +91,28 @@ def test_two_processes_equal_one_process(tmp_path, model_dir, trainer, peft):
     assert log["dta/rank_cost_imbalance"] >= 1.0
 
 
+@pytest.mark.parametrize("trainer", ["grpo", "rloo"])
+def test_default_settings_two_processes_match_trl(tmp_path, model_dir, trainer):
+    """Two generations' worth of optimizer steps per generation (steps_per_generation=4, gradient_accumulation_steps=2):
+    each step trains on the rows TRL's shuffle gives it, so the reference is TRL's trainer in two processes (the same
+    shuffles); DTA's defaults then keep TRL's rows on every rank (no balancing: it would change the steps' rows)."""
+    flags = dict(trainer=trainer, spg=4, ga=2, steps=3)
+    ref = run(tmp_path / "ref.pt", model_dir, 2, dta=0, **flags)
+    dta = run(tmp_path / "dta.pt", model_dir, 2, dta=1, **flags)
+    from transformers import AutoModelForCausalLM
+
+    initial = {n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(model_dir).named_parameters()}
+    compare(ref, dta, initial)
+    assert not any("dta/rank_cost_imbalance" in log for log in dta["logs"])
+    assert all(log["dta/dense_fallback"] == 0.0 for log in dta["logs"])
+
+
 def test_fitted_cost_model_keeps_results(tmp_path, model_dir):
-    """`dta_cost_model='fit'`: from the third step the balancer uses coefficients fitted to all ranks' engine times
-    (gathered, so every rank partitions identically); the trained parameters are still TRL's."""
-    ref = run(tmp_path / "ref.pt", model_dir, 1, trainer="grpo", dta=0, steps=3)
-    dta = run(tmp_path / "dta.pt", model_dir, 2, trainer="grpo", dta=1, steps=3, cost_model="fit")
+    """`dta_cost_model='fit'`: from the fifth step the balancer uses coefficients fitted to all ranks' engine times
+    (one sample per rank and optimizer step, gathered, so every rank partitions identically); the trained parameters
+    are still TRL's."""
+    ref = run(tmp_path / "ref.pt", model_dir, 1, trainer="grpo", dta=0, steps=5)
+    dta = run(tmp_path / "dta.pt", model_dir, 2, trainer="grpo", dta=1, steps=5, cost_model="fit")
     from transformers import AutoModelForCausalLM
 
     initial = {n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(model_dir).named_parameters()}

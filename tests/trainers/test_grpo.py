@@ -15,8 +15,10 @@ from peft import LoraConfig, PromptTuningConfig
 from transformers import MixtralConfig, MixtralForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
-from trl_dta import engine as engine_module
+from trl_dta import _checks
 from trl_dta.trainers import DTAGRPOConfig, DTAGRPOTrainer
+from trl_dta.tree import PrefixTree
+from trl_dta.batch import Layout
 
 from .conftest import DTA, EOS, assert_equivalent, assert_params_close, build_model, make_args, train
 
@@ -82,6 +84,111 @@ def test_lora_with_adapter_disabled_reference(tmp_path, model_dir, tokenizer, da
 def test_steps_per_generation(tmp_path, model_dir, tokenizer, dataset):
     # One generation feeds 2 optimizer steps of 2 micro-batches of 2 rows: old log-probs are needed and scored by DTA.
     compare(tmp_path, model_dir, tokenizer, dataset, per_device_train_batch_size=2, steps_per_generation=4, steps=3)
+
+
+# DTA's defaults against TRL over the ways one generation feeds optimizer steps: (steps_per_generation, per-device
+# batch, gradient_accumulation_steps) with generation batches of 8 or 12 rows (groups of 4), 3 optimizer steps.
+SCHEDULES = {
+    "1_step_per_generation_4_micro_batches": dict(steps_per_generation=4, per_device_train_batch_size=2,
+                                                  gradient_accumulation_steps=4),
+    "2_steps_per_generation": dict(steps_per_generation=4, per_device_train_batch_size=2,
+                                   gradient_accumulation_steps=2),
+    "3_steps_per_generation": dict(steps_per_generation=3, per_device_train_batch_size=4,
+                                   gradient_accumulation_steps=1),
+    "4_steps_per_generation": dict(steps_per_generation=4, per_device_train_batch_size=2,
+                                   gradient_accumulation_steps=1),
+    "window_crosses_generation": dict(steps_per_generation=3, per_device_train_batch_size=4,
+                                      gradient_accumulation_steps=2),
+    "generation_batch_size": dict(generation_batch_size=8, per_device_train_batch_size=2,
+                                  gradient_accumulation_steps=2),
+    "window_repeats_micro_batches": dict(steps_per_generation=2, per_device_train_batch_size=4,
+                                      gradient_accumulation_steps=4, steps=2),
+}
+
+
+@pytest.mark.parametrize(
+    "loss_type,schedule,iterations",
+    [
+        ("grpo", "2_steps_per_generation", 1),  # issue 9's measured defects with the old default: 0.58,
+        ("bnpo", "1_step_per_generation_4_micro_batches", 1),  # 0.14 (with spg=2),
+        ("dapo", "3_steps_per_generation", 2),  # 0.97
+        ("dapo", "window_crosses_generation", 2),
+        ("bnpo", "window_crosses_generation", 1),
+        ("dr_grpo", "4_steps_per_generation", 2),
+        ("grpo", "generation_batch_size", 2),
+        ("luspo", "window_repeats_micro_batches", 2),
+    ],
+)
+def test_default_settings_match_trl(tmp_path, model_dir, tokenizer, dataset, loss_type, schedule, iterations):
+    config = {"steps": 3, **SCHEDULES[schedule]}
+    # One micro-batch of 2 rows per optimizer step often holds two prompts that share nothing: DTA's default sends
+    # such a forest to TRL's dense path (`dta_min_compression=1.1`), so this schedule forces DTA to test it.
+    dta_config = {"dta_min_compression": 0.0} if schedule == "4_steps_per_generation" else DTA
+    _, dta = compare(tmp_path, model_dir, tokenizer, dataset, loss_type=loss_type, num_iterations=iterations,
+                     dta_config=dta_config, **config)
+    assert not dta.trainer._dta.dta_group_shuffle
+
+
+def test_one_forest_per_optimizer_step(tmp_path, model_dir, tokenizer, dataset):
+    # Window of 2 micro-steps, generations of 3 micro-batches: micro-steps (0 1 | 2 . 3 | 4 5) -> forests {0, 1},
+    # {2}, {3} (a new generation at micro-step 3), {4, 5}: four engine calls for three optimizer steps, and a forest's
+    # tree is never larger than its micro-batches' trees (strictly smaller where TRL's shuffle split a group).
+    forests = []
+
+    class Counted(DTAGRPOTrainer):
+        def _dta_run_window(self, model, inputs, num_items_in_batch):
+            engine = self._dta_engine(self.accelerator.unwrap_model(model))
+            calls = []
+            original = engine.forward_backward
+            engine.forward_backward = lambda tree, *a, **k: calls.append(tree) or original(tree, *a, **k)
+            try:
+                super()._dta_run_window(model, inputs, num_items_in_batch)
+            finally:
+                del engine.forward_backward
+            steps = sorted(self._dta_micro_steps)
+            parts = [PrefixTree.from_sequences(Layout.from_batch(self._dta_micro_steps[s].batch).seqs) for s in steps]
+            forests.append((steps, calls, parts))
+
+    config = dict(steps_per_generation=3, per_device_train_batch_size=4, gradient_accumulation_steps=2, steps=3)
+    ref = train(GRPOTrainer, GRPOConfig, model_dir, tokenizer, dataset, tmp_path / "trl", **config)
+    dta = train(Counted, DTAGRPOConfig, model_dir, tokenizer, dataset, tmp_path / "dta", **config)
+    assert_equivalent(ref, dta, rtol=1e-4)
+    assert [steps for steps, _, _ in forests] == [[0, 1], [2], [3], [4, 5]]
+    assert all(len(calls) == 1 for _, calls, _ in forests), "not one engine call per forest"
+    gains = []
+    for _, (tree,), parts in forests:
+        assert tree.n_sequences == sum(p.n_sequences for p in parts)
+        assert tree.n_tree_tokens <= sum(p.n_tree_tokens for p in parts)
+        gains.append(sum(p.n_tree_tokens for p in parts) - tree.n_tree_tokens)
+    assert max(gains) > 0, "the step forests shared nothing beyond the micro-batches"
+    assert [e["dta/micro_batches_per_forest"] for e in dta.logs] == [2.0, 1.0, 2.0]
+
+
+def test_group_shuffle_warns_where_it_changes_the_updates(tmp_path, model_dir, tokenizer, dataset):
+    for config, warned in (
+        (dict(steps_per_generation=4, per_device_train_batch_size=2, gradient_accumulation_steps=2), True),
+        (dict(steps_per_generation=2, gradient_accumulation_steps=2, loss_type="bnpo"), True),
+        (dict(steps_per_generation=2, gradient_accumulation_steps=2, loss_type="dapo"), False),
+    ):
+        _checks._warned.discard("group_shuffle")
+        DTAGRPOTrainer(model=model_dir, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                       args=make_args(DTAGRPOConfig, tmp_path, dta_group_shuffle=True, **config),
+                       train_dataset=dataset, processing_class=tokenizer)
+        assert ("group_shuffle" in _checks._warned) == warned, config
+
+
+def test_trl_version_outside_the_tested_ones_warns(caplog):
+    from trl_dta.trainers.config import TESTED_TRL_VERSIONS, check_trl_version
+
+    _checks._warned.discard("trl_version")
+    check_trl_version(TESTED_TRL_VERSIONS[0] + ".3")
+    assert "trl_version" not in _checks._warned
+    with caplog.at_level("WARNING", logger="trl_dta"):
+        check_trl_version("1.99.0")
+        check_trl_version("1.99.1")
+    assert "trl_version" in _checks._warned
+    assert [r.getMessage() for r in caplog.records].count(next(r.getMessage() for r in caplog.records)) == 1
+    assert "TRL 1.99.0 is installed" in caplog.text
 
 
 def test_duplicates_empty_and_truncated_completions(tmp_path, model_dir, tokenizer, dataset):
@@ -194,7 +301,7 @@ def test_gradient_checkpointing_maps_to_graph_budget(tmp_path, model_dir, tokeni
             r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")})
     _, dta = compare(tmp_path, model_dir, tokenizer, dataset, gradient_checkpointing=True, num_iterations=2,
                      dta_config={**DTA, "dta_block_size": 4}, **extra)
-    assert "gradient_checkpointing" in engine_module._warned  # the user is told once
+    assert "gradient_checkpointing" in _checks._warned  # the user is told once
     engine = next(iter(dta.trainer._dta_engines.values()))
     assert engine.max_graph_tokens == 4
     assert engine.last_stats["recomputed_tokens"] > 0
@@ -204,7 +311,7 @@ def test_gradient_checkpointing_maps_to_graph_budget(tmp_path, model_dir, tokeni
 def test_dense_fallback_below_min_compression(tmp_path, model_dir, tokenizer, dataset):
     ref = train(GRPOTrainer, GRPOConfig, model_dir, tokenizer, dataset, tmp_path / "trl", num_iterations=2)
     dta = train(DTAGRPOTrainer, DTAGRPOConfig, model_dir, tokenizer, dataset, tmp_path / "dta", num_iterations=2,
-                dta_min_compression=100.0, dta_group_shuffle=False)
+                dta_min_compression=100.0)
     assert all(entry["dta/dense_fallback"] == 1.0 for entry in dta.logs)
     assert not any("dta/tree_tokens" in entry for entry in dta.logs)
     assert_equivalent(ref, dta, rtol=1e-6)
@@ -222,21 +329,24 @@ def test_group_shuffle_keeps_groups_and_matches_the_step(tmp_path, model_dir, to
                   per_device_train_batch_size=batch_size, gradient_accumulation_steps=accumulation)
     ref = train(GRPOTrainer, GRPOConfig, model_dir, tokenizer, dataset, tmp_path / "trl", **config)
     dta = train(DTAGRPOTrainer, DTAGRPOConfig, model_dir, tokenizer, dataset, tmp_path / "dta", **config,
-                dta_min_compression=0.0)
+                dta_group_shuffle=True)
     for batch in dta.trainer._buffered_inputs:
         rows = {tuple(r) for r in batch["prompt_ids"].tolist()}
         assert len(rows) == 1, "a micro-batch holds more than one group"
     assert_params_close(ref, dta)
     assert_equivalent(ref, dta, rtol=1e-5, compare_metrics=False)
-    # A whole group per micro-batch compresses better than TRL's scattered rows.
+    # A whole group per micro-batch compresses better than TRL's scattered rows, micro-batch by micro-batch; the
+    # step's forest holds the same rows either way.
     scattered = train(DTAGRPOTrainer, DTAGRPOConfig, model_dir, tokenizer, dataset, tmp_path / "scattered", **config,
                       **DTA)
-    grouped_ratio = sum(e["dta/compression_ratio"] for e in dta.logs)
-    assert grouped_ratio > sum(e["dta/compression_ratio"] for e in scattered.logs)
+    grouped_ratio = sum(e["dta/compression_ratio_micro_batch"] for e in dta.logs)
+    assert grouped_ratio > sum(e["dta/compression_ratio_micro_batch"] for e in scattered.logs)
+    assert [e["dta/compression_ratio"] for e in dta.logs] == pytest.approx(
+        [e["dta/compression_ratio"] for e in scattered.logs])
 
 
 def test_resume_from_checkpoint_follows_the_same_trajectory(tmp_path, model_dir, tokenizer, dataset):
-    config = dict(steps=4, save_strategy="steps", save_steps=2, num_iterations=1, dta_min_compression=0.0)
+    config = dict(steps=4, save_strategy="steps", save_steps=2, num_iterations=1)
     full = train(DTAGRPOTrainer, DTAGRPOConfig, model_dir, tokenizer, dataset, tmp_path / "full", **config)
     resumed_trainer = DTAGRPOTrainer(
         model=model_dir,
@@ -268,7 +378,7 @@ def _make(tmp_path, tokenizer, dataset, model, peft_config=None, **config):
         ("fp16", "`fp16=True` is not supported with DTA"),
         ("liger", "`use_liger_kernel=True` is not supported with DTA"),
         ("lomo", "fuses the optimizer step into `backward`"),
-        ("attention_dropout", "Attention dropout is active"),
+        ("attention_dropout", "attention dropout is active (attention_dropout=0.1)"),
         ("moe_aux_loss", "Set `router_aux_loss_coef=0.0`"),
         ("prompt_tuning", "Prompt-learning adapters"),
         ("dynamic_rope", "rope_type 'dynamic'"),
@@ -306,17 +416,30 @@ def test_construction_errors(tmp_path, model_dir, tokenizer, dataset, case, mess
         ("dta_max_batch_tokens", -1, "`dta_max_batch_tokens` must be a positive integer"),
         ("dta_max_graph_tokens", -5, "`dta_max_graph_tokens` must be None or a non-negative integer"),
         ("dta_min_compression", float("nan"), "`dta_min_compression` must be a finite number"),
+        ("dta_min_compression", float("inf"), "`dta_min_compression` must be a finite number"),
+        ("dta_min_compression", -0.5, "`dta_min_compression` must be a finite number >= 0.0"),
+        ("dta_max_pack_tokens", -1, "`dta_max_pack_tokens` must be a non-negative integer"),
+        ("dta_cost_model", "linear", "`dta_cost_model` must be one of ['default', 'fit']"),
+        ("dta_block_size", True, "`dta_block_size` must be a positive integer"),
+        ("dta_max_batch_tokens", 2.0, "`dta_max_batch_tokens` must be a positive integer"),
+        ("dta_max_graph_tokens", 64.0, "`dta_max_graph_tokens` must be None or a non-negative integer"),
+        ("dta_min_compression", True, "`dta_min_compression` must be a finite number"),
+        ("dta_min_compression", "1.1", "`dta_min_compression` must be a finite number"),
+        ("dta_enabled", 1, "`dta_enabled` must be True or False"),
+        ("dta_group_shuffle", "yes", "`dta_group_shuffle` must be True or False"),
+        ("dta_balance", None, "`dta_balance` must be True or False"),
+        ("dta_cost_model", None, "`dta_cost_model` must be one of"),
     ],
 )
 def test_config_validation(tmp_path, field, value, message):
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises((ValueError, TypeError), match=re.escape(message)):
         DTAGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, **{field: value})
 
 
 def test_config_documents_every_field():
     from dataclasses import fields
 
-    from trl_dta.trainers._mixin import DTAArguments
+    from trl_dta.trainers.config import DTAArguments
 
     doc = " ".join(DTAGRPOConfig.__doc__.split())
     for f in fields(DTAArguments):
@@ -356,7 +479,7 @@ def test_plain_trl_config_and_argument_parser(tmp_path, model_dir, tokenizer, da
 
     # A plain GRPOConfig gets the DTA defaults.
     run = train(DTAGRPOTrainer, GRPOConfig, model_dir, tokenizer, dataset, tmp_path, steps=1)
-    assert run.trainer._dta.dta_enabled and run.trainer._dta.dta_group_shuffle
+    assert run.trainer._dta.dta_enabled and not run.trainer._dta.dta_group_shuffle
     assert "dta/dense_fallback" in run.logs[0]
     (args,) = HfArgumentParser(DTAGRPOConfig).parse_args_into_dataclasses(
         ["--output_dir", str(tmp_path), "--use_cpu", "true", "--dta_max_graph_tokens", "64", "--dta_enabled", "false"]

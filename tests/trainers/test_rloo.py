@@ -20,6 +20,7 @@ def compare(tmp_path, model_dir, tokenizer, dataset, update_rtol=1e-4, dta_confi
     ref = train(RLOOTrainer, RLOOConfig, model_dir, tokenizer, dataset, tmp_path / "trl", **config)
     dta = train(DTARLOOTrainer, DTARLOOConfig, model_dir, tokenizer, dataset, tmp_path / "dta", **config,
                 **dta_config)
+    assert all(entry["dta/dense_fallback"] == 0.0 for entry in dta.logs if "dta/dense_fallback" in entry)
     assert any("dta/tree_tokens" in entry for entry in dta.logs), "no micro-batch ran through DTA"
     assert_params_close(ref, dta)
     assert_equivalent(ref, dta, rtol=update_rtol, compare_metrics=check_metrics)
@@ -33,9 +34,13 @@ def compare(tmp_path, model_dir, tokenizer, dataset, update_rtol=1e-4, dta_confi
         {"num_iterations": 2, "learning_rate": 0.3},
         {"beta": 0.2, "num_iterations": 2},
         {"steps_per_generation": 4, "per_device_train_batch_size": 2, "steps": 3},
+        {"steps_per_generation": 3, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "steps": 3},
+        {"steps_per_generation": 4, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 4,
+         "num_iterations": 2},
         {"model_init_kwargs": {"dtype": torch.float64}, "num_iterations": 2, "update_rtol": 1e-5},
     ],
-    ids=["default", "num_iterations", "beta", "steps_per_generation", "float64"],
+    ids=["default", "num_iterations", "beta", "steps_per_generation", "window_crosses_generation",
+         "one_step_per_generation_4_micro_batches", "float64"],
 )
 def test_matches_trl(tmp_path, model_dir, tokenizer, dataset, config):
     compare(tmp_path, model_dir, tokenizer, dataset, **config)
@@ -51,7 +56,7 @@ def test_group_shuffle_keeps_groups_and_matches_the_step(tmp_path, model_dir, to
     # RLOO's loss is a row mean; with TRL's row count per micro-batch and one optimizer step per generation the
     # step's gradient does not depend on which rows share a micro-batch.
     _, dta = compare(tmp_path, model_dir, tokenizer, dataset, steps=3, model_init_kwargs={"dtype": torch.float64},
-                     update_rtol=1e-5, check_metrics=False, dta_config={"dta_min_compression": 0.0})
+                     update_rtol=1e-5, check_metrics=False, dta_config={"dta_group_shuffle": True})
     for batch in dta.trainer._buffered_inputs:
         assert len({tuple(r) for r in batch["prompt_ids"].tolist()}) == 1, "a micro-batch holds more than one group"
 

@@ -1,43 +1,44 @@
-"""Dynamic Tree Attention inside TRL's trainers: the logic `DTAGRPOTrainer` and `DTARLOOTrainer` share.
+"""Dynamic Tree Attention inside TRL's trainers: the TRL hooks `DTAGRPOTrainer` and `DTARLOOTrainer` override.
 
-The mixin overrides three hooks of TRL's `GRPOTrainer` / `RLOOTrainer` and nothing else:
-
-- `_prepare_inputs` (training, `dta_group_shuffle=True`): TRL shuffles the rows of a generation batch and cuts it into
-  `steps_per_generation` micro-batches, which scatters a prompt's completions over micro-batches (each piece then
-  recomputes the prompt). Here the rows are permuted with the very same random draw, then assigned to micro-batches of
-  TRL's size that keep a prompt's completions together where the size allows, balanced by tree cost
-  (`trl_dta.balance.partition`).
+- `_prepare_inputs` (training): TRL's own, unless an opt-in regrouping applies (`micro_batches.py`: prompt groups kept
+  in one micro-batch, `dta_group_shuffle`; groups exchanged between ranks, `dta_balance`).
 - `_get_per_token_logps_and_entropies` (no-grad calls: old-policy and reference log-probs, evaluation): the whole
   batch goes through `DTAEngine.logprobs` over its prefix tree.
-- `compute_loss` (training): the policy loss goes through `DTAEngine.forward_backward`, which back-propagates while it
-  walks the tree. TRL's loss is a sum of per-sequence terms (`losses.py`), each computed at its leaf. Objectives that
-  are not such a sum (`top_entropy_quantile < 1`, or a subclass that overrides `_compute_loss`) take the exact
-  two-pass path: a no-grad pass gives the log-probs, TRL's own `_compute_loss` runs on them as leaves to give
-  `dL/dlogps` (and `dL/dentropies`), and a second pass back-propagates the linear surrogate
-  `sum_i <logps_i, dL/dlogps_i> + <entropies_i, dL/dentropies_i>`, whose parameter gradient is TRL's. It costs one
-  extra no-grad forward over the tree.
+- `compute_loss` (training): at the first micro-step of an accumulation window, all the window's micro-batches TRL has
+  buffered run as one forest through `DTAEngine.forward_backward` (`step_forest.py`), which back-propagates while it
+  walks the tree; every micro-step then replays its own micro-batch's log-probs through TRL's `_compute_loss` for its
+  logged loss and metrics.
+- `training_step`: tracks the window, and under DDP reduces the gradients once per window.
 
-In both training paths TRL's `_compute_loss` also runs on the engine's (detached) log-probs and entropies, so the
-logged loss and every metric TRL computes there (clip ratios, KL, entropy, the adaptive entropy controller) come from
-TRL's own code.
+TRL's loss is a sum of per-sequence terms (`losses.py`), each computed at its leaf with the constants of the
+micro-batch the sequence belongs to. Objectives that are not such a sum (`top_entropy_quantile < 1`, or a subclass
+that overrides `_compute_loss`) take the exact two-pass path, also per window: a no-grad pass over the forest gives the
+log-probs, TRL's `_compute_loss` runs on each micro-batch's log-probs as autograd inputs to give `dL/dlogps` (and
+`dL/dentropies`), and a second pass back-propagates the linear surrogate `sum_i <logps_i, dL/dlogps_i> +
+<entropies_i, dL/dentropies_i>`, whose parameter gradient is TRL's. It costs one extra no-grad forward over the forest.
+
+When an optimizer step is not one forest: micro-batches of the window that come from a later generation (the window
+crosses a generation, e.g. `steps_per_generation=3, gradient_accumulation_steps=2`) get their own forest when they
+arrive; a micro-batch that is not TRL's buffered one (a `_prepare_inputs` override that does not buffer like TRL's)
+runs as a forest of its own; a micro-batch with vision inputs or an unusual padding runs TRL's dense path; and when the
+window's forest compresses less than `dta_min_compression`, all its micro-batches run TRL's dense path.
 
 Gradient scaling: the HF `Trainer` calls `accelerator.backward(compute_loss(...) / s)` with `s` the gradient
 accumulation (GRPO returns a loss already scaled, RLOO does not). The engine has already back-propagated the same
-`1 / s`-scaled loss, so `compute_loss` returns the loss value as a fresh leaf: the `Trainer`'s backward then adds
-nothing to the model's gradients, and the value it logs is TRL's.
+`1 / s`-scaled loss, so `compute_loss` returns the loss value as a fresh autograd input: the `Trainer`'s backward then
+adds nothing to the model's gradients, and the value it logs is TRL's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import resource
 import time
-from dataclasses import dataclass, field, fields
+from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 from accelerate.utils import is_peft_model
-from accelerate.utils import gather_object
 from trl.trainer.utils import (
     shuffle_sequence_dict,
     split_pixel_values_by_grid,
@@ -45,221 +46,33 @@ from trl.trainer.utils import (
     unsplit_pixel_values_by_grid,
 )
 
-from ..balance import CostModel, forest_stats, partition
-from ..distributed import all_reduce_gradients, redistribute, trainable_parameters
-from ..engine import DTAEngine, _warn_once
+from .. import _checks
+from ..balance import CostModel, forest_stats
+from ..batch import Layout, group_ids, has_vision_inputs, num_rows
+from ..distributed import all_reduce_gradients, trainable_parameters
+from ..engine import DTAEngine
 from ..lm_head import HeadSpec
 from ..tree import PrefixTree
-
-
-# Inputs of vision-language models: a micro-batch carrying any of them runs TRL's dense path.
-_VISION_KEYS = (
-    "pixel_values",
-    "image_grid_thw",
-    "pixel_attention_mask",
-    "spatial_shapes",
-    "image_sizes",
-    "token_type_ids",
-    "mm_token_type_ids",
-    "image_position_ids",
-    "num_images",
-    "num_tiles",
-)
-@dataclass
-class DTAArguments:
-    """The `dta_*` fields shared by [`DTAGRPOConfig`] and [`DTARLOOConfig`] (see their docstrings)."""
-
-    dta_enabled: bool = field(
-        default=True,
-        metadata={
-            "help": "Whether to run the policy loss and the no-grad old-policy/reference log-probs through the prefix "
-            "tree of each batch (Dynamic Tree Attention). With `False` the trainer is exactly the TRL trainer."
-        },
-    )
-    dta_block_size: int = field(
-        default=1024,
-        metadata={
-            "help": "Tokens per re-forward block when a tree segment's autograd graph is dropped and recomputed in "
-            "the backward (DTA's token-wise checkpointing, used when `dta_max_graph_tokens` is exceeded)."
-        },
-    )
-    dta_max_batch_tokens: int = field(
-        default=8192,
-        metadata={
-            "help": "Padded-token budget of one forward of sibling leaves: the completions of one prompt are "
-            "forwarded together, with the prompt's keys/values shared, up to this many tokens per forward."
-        },
-    )
-    dta_max_pack_tokens: int = field(
-        default=1024,
-        metadata={
-            "help": "A subtree of the prefix tree with at most this many tokens (e.g. a group of short multi-turn "
-            "branches) runs as one tree-masked row of a batched forward instead of segment by segment: fewer, larger "
-            "forward/backward calls, at the price of attention over the whole row. `0` walks every segment."
-        },
-    )
-    dta_max_graph_tokens: int | None = field(
-        default=None,
-        metadata={
-            "help": "Memory budget, in tokens of kept autograd graph; segments beyond it are recomputed in blocks of "
-            "`dta_block_size` tokens. `None` keeps every graph (fastest), except that with "
-            "`gradient_checkpointing=True` (TRL's default) it becomes `dta_block_size`: HF gradient checkpointing "
-            "cannot reuse a prefix's keys/values, so DTA micro-batches run without it and bound memory this way."
-        },
-    )
-    dta_min_compression: float = field(
-        default=1.1,
-        metadata={
-            "help": "A batch whose prefix tree compresses its tokens less than this ratio (tokens / tree tokens) "
-            "runs TRL's dense path unchanged. `1.0` or less sends every batch through DTA."
-        },
-    )
-    dta_group_shuffle: bool = field(
-        default=True,
-        metadata={
-            "help": "Keep each prompt's completions in one micro-batch where `per_device_train_batch_size` allows, "
-            "and balance micro-batches by tree cost, with TRL's row count per micro-batch and the same random draw "
-            "as TRL's shuffle. With `False`, TRL's row shuffle and split are reproduced exactly."
-        },
-    )
-
-    dta_balance: bool = field(
-        default=True,
-        metadata={
-            "help": "With several processes: after each generation, exchange whole prompt groups between ranks so that "
-            "every rank trains on a forest of equal tree cost (each rank keeps its number of rows). Needs each "
-            "process's generation batch to hold whole groups (a multiple of `num_generations` rows)."
-        },
-    )
-    dta_cost_model: str = field(
-        default="default",
-        metadata={
-            "help": "Cost of a rank's forest for `dta_balance`: 'default' (tree tokens + attention work + a per-leaf "
-            "overhead, from the model width) or 'fit' (coefficients fitted by least squares to the engine's measured "
-            "micro-batch times, gathered from all ranks, once 8 samples exist)."
-        },
-    )
-
-    def validate_dta(self) -> None:
-        """Check the `dta_*` values; errors name the field and the fix."""
-        for name in ("dta_block_size", "dta_max_batch_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
-        value = self.dta_max_pack_tokens
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"`dta_max_pack_tokens` must be a non-negative integer, got {value!r}.")
-        value = self.dta_max_graph_tokens
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise ValueError(f"`dta_max_graph_tokens` must be None or a non-negative integer, got {value!r}.")
-        if self.dta_cost_model not in ("default", "fit"):
-            raise ValueError(f"`dta_cost_model` must be 'default' or 'fit', got {self.dta_cost_model!r}.")
-        value = self.dta_min_compression
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise ValueError(
-                f"`dta_min_compression` must be a finite number >= 0 (1.0 sends every batch through DTA), got "
-                f"{value!r}."
-            )
-
-    @classmethod
-    def from_config(cls, args) -> DTAArguments:
-        """The `dta_*` settings of a config; defaults for a plain TRL config."""
-        settings = cls(**{f.name: getattr(args, f.name, f.default) for f in fields(cls)})
-        settings.validate_dta()
-        return settings
-
-
-def check_trainer_args(args) -> None:
-    """Options of the HF/TRL config that DTA cannot honour exactly; each error names the option and the fix."""
-    off = "or set `dta_enabled=False` to train with the TRL trainer's dense path."
-    if args.fp16:
-        raise ValueError(
-            "`fp16=True` is not supported with DTA: the engine back-propagates inside `compute_loss`, outside the fp16 "
-            f"gradient scaler. Use `bf16=True` or float32, {off}"
-        )
-    if args.deepspeed or args.fsdp:
-        raise ValueError(
-            "DeepSpeed and FSDP are not supported with DTA: the engine runs on the unwrapped model and needs every "
-            f"parameter materialised. Use plain data parallelism, {off}"
-        )
-    if args.use_liger_kernel:
-        raise ValueError(
-            "`use_liger_kernel=True` is not supported with DTA: Liger replaces the model's layers with kernels whose "
-            f"equivalence with DTA is untested. Set `use_liger_kernel=False`, {off}"
-        )
-    if getattr(args.optim, "value", args.optim) in ("lomo", "adalomo"):
-        raise ValueError(
-            f"`optim={args.optim!r}` fuses the optimizer step into `backward`, which DTA calls many times per "
-            f"micro-batch. Choose another optimizer, {off}"
-        )
+from .config import _OFF, DTAArguments, check_trainer_args, check_trl_version
+from .micro_batches import balance_ranks, regrouping_changes, split_by_groups
+from .step_forest import StepForest, buffered_window
 
 
 @dataclass
-class _Layout:
-    """Where each row's scored completion tokens sit in its unpadded sequence.
-
-    TRL's batches are `[left-padded prompt | right-padded completion]`: row `i` has `P_i` prompt and `C_i` completion
-    tokens, the sequence is its `P_i + C_i` real tokens, and its completion's log-probs are the last `C_i` of the
-    sequence (the engine's `n_scored`): completion column `j < C_i` is the `j`-th of them.
+class _MicroStep:
+    """What the window's forest computed for one of its micro-steps (None values: TRL's dense path runs it).
 
     Args:
-        seqs (`list[torch.LongTensor]`): row `i`'s real tokens, shape `(P_i + C_i,)`, on CPU.
-        lengths (`list[int]`): `C_i`.
-        width (`int`): `T`, the number of completion columns.
+        batch (`dict`): the micro-batch.
+        logps (`torch.Tensor` of shape `(B, T)`, *optional*): the policy's log-probs, detached.
+        entropies (`torch.Tensor` of shape `(B, T)`, *optional*): their entropies.
+        compression (`float`): the micro-batch's own tree compression.
     """
 
-    seqs: list[torch.Tensor]
-    lengths: list[int]
-    width: int
-
-    @classmethod
-    def from_padded(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> _Layout | None:
-        """From `input_ids`/`attention_mask` of shape `(B, P + T)` with `T = logits_to_keep`; None for a mask that is
-        not `[0..0 1..1 | 1..1 0..0]` per row (or a row that scores a token without any prompt)."""
-        ids, mask = input_ids.cpu(), attention_mask.cpu().bool()
-        width = logits_to_keep
-        prompt_width = ids.size(1) - width
-        prompt, completion = mask[:, :prompt_width], mask[:, prompt_width:]
-        p, c = prompt.sum(1), completion.sum(1)
-        if not torch.equal(prompt, torch.arange(prompt_width) >= (prompt_width - p)[:, None]):
-            return None
-        if not torch.equal(completion, torch.arange(width) < c[:, None]):
-            return None
-        if ((p == 0) & (c > 0)).any():
-            return None
-        p, c = p.tolist(), c.tolist()
-        seqs = [ids[i, prompt_width - p[i] : prompt_width + c[i]] for i in range(len(p))]
-        return cls(seqs, c, width)
-
-    @classmethod
-    def from_inputs(cls, inputs: dict) -> _Layout | None:
-        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        return cls.from_padded(input_ids, attention_mask, inputs["completion_ids"].size(1))
-
-    def gather(self, values: list[torch.Tensor], device) -> torch.Tensor:
-        """TRL's `(B, T)` per-token tensor from the engine's per-sequence vectors of `C_i` values (zeros elsewhere)."""
-        dtype = values[0].dtype if values else torch.float32
-        out = torch.zeros(len(self.seqs), self.width, dtype=dtype, device=device)
-        for i, n in enumerate(self.lengths):
-            if n:
-                out[i, :n] = values[i][-n:]
-        return out
-
-
-def _take(batch: dict, rows: torch.Tensor) -> dict:
-    """Rows `rows` of every per-row entry of a TRL batch (as `split_tensor_dict` slices them)."""
-    out = {}
-    for key, value in batch.items():
-        if value is None:
-            out[key] = None
-        elif isinstance(value, torch.Tensor):
-            out[key] = value if value.ndim == 0 else value[rows.to(value.device)]
-        elif isinstance(value, list):
-            out[key] = [value[i] for i in rows.tolist()]
-        else:
-            out[key] = value
-    return out
+    batch: dict
+    logps: torch.Tensor | None = None
+    entropies: torch.Tensor | None = None
+    compression: float = 1.0
 
 
 def _peak_memory_mb(device: torch.device) -> float:
@@ -272,22 +85,38 @@ def _peak_memory_mb(device: torch.device) -> float:
 class DTATrainerMixin:
     """Dynamic Tree Attention for a TRL trainer; put it before the TRL class in the bases (see the module docstring).
 
-    Subclasses set `_dta_trl_class` (the TRL trainer) and `_dta_loss_class` (its per-sequence objective, `losses.py`).
+    Subclasses set `_dta_trl_class` (the TRL trainer), `_dta_config_class` (its DTA config, for `args=None`) and
+    `_dta_loss_class` (its per-sequence objective, `losses.py`).
 
-    Metrics logged next to TRL's (averaged over the micro-batches of a logging step):
+    Metrics logged next to TRL's (averaged over a logging step):
 
-    - `dta/compression_ratio`, `dta/tokens`, `dta/tree_tokens`: the micro-batch's prefix tree (tokens / tree tokens).
-    - `dta/forward_tokens`: tokens the engine actually forwarded (block recompute and the no-grad first pass of the
-      two-pass path included).
+    - `dta/compression_ratio`, `dta/tokens`, `dta/tree_tokens`: the forest an engine call ran (normally all of an
+      optimizer step's micro-batches; tokens / tree tokens).
+    - `dta/compression_ratio_micro_batch`: each micro-batch's own tree, as if it ran alone.
+    - `dta/micro_batches_per_forest`: micro-batches in each forest.
+    - `dta/forward_tokens`: tokens the engine actually forwarded per forest (block recompute and the no-grad first pass
+      of the two-pass path included).
     - `dta/step_time`: seconds of engine forward/backward per optimizer step.
-    - `dta/peak_memory_mb`: peak allocated memory of the micro-batch on CUDA; elsewhere the process's peak resident set.
+    - `dta/peak_memory_mb`: peak allocated memory of a forest on CUDA; elsewhere the process's peak resident set.
     - `dta/dense_fallback`: fraction of micro-batches that ran TRL's dense path (`dta_min_compression`, or an input
       layout DTA does not handle).
     """
 
     _dta_trl_class: type
+    _dta_config_class: type
     _dta_loss_class: type
     _dta_replay_values: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def __init__(self, model, reward_funcs=None, args=None, *extra, **kwargs):
+        if args is None:
+            from trl.trainer.utils import get_config_model_id
+
+            name = model if isinstance(model, str) else get_config_model_id(model.config)
+            suffix = self._dta_trl_class.__name__.removesuffix("Trainer")
+            args = self._dta_config_class(f"{name.split('/')[-1]}-{suffix}")
+        self._dta_pre_init(args)
+        super().__init__(model, reward_funcs, args, *extra, **kwargs)
+        self._dta_post_init()
 
     # ------------------------------------------------------------------ construction
 
@@ -297,16 +126,19 @@ class DTATrainerMixin:
         self._dta_engines: dict[int, DTAEngine] = {}
         self._dta_step_time = 0.0
         self._dta_cost_samples: list[tuple[float, float, float, float]] = []
+        self._dta_window_position = 0  # micro-steps done in the current accumulation window
+        self._dta_micro_steps: dict[int, _MicroStep] = {}  # computed by the window's forest, keyed by TRL's `_step`
         if not self._dta.dta_enabled:
             return
+        check_trl_version()
         check_trainer_args(args)
         self._dta_max_graph_tokens = self._dta.dta_max_graph_tokens
         if self._dta_max_graph_tokens is None and args.gradient_checkpointing:
             self._dta_max_graph_tokens = self._dta.dta_block_size
-            _warn_once(
+            _checks.warn_once(
                 "gradient_checkpointing",
                 "gradient_checkpointing=True: HF gradient checkpointing cannot reuse a prefix's keys/values, so DTA "
-                "micro-batches run without it and bound memory with DTA's block recompute instead "
+                "runs without it and bounds memory with DTA's block recompute instead "
                 f"(dta_max_graph_tokens={self._dta_max_graph_tokens}). Micro-batches on TRL's dense path keep HF "
                 "checkpointing. Set `dta_max_graph_tokens` to choose the budget, or `gradient_checkpointing=False` to "
                 "keep every graph (fastest).",
@@ -316,35 +148,32 @@ class DTATrainerMixin:
         """Checks that need the built trainer (model, processing class); builds the policy's engine."""
         if not self._dta.dta_enabled:
             return
-        off = "or set `dta_enabled=False` to train with the TRL trainer's dense path."
         if self._is_vlm:
-            raise ValueError(f"DTA supports text-only models; vision-language inputs need TRL's dense path: {off}")
+            raise ValueError(f"DTA supports text-only models; vision-language inputs need TRL's dense path: {_OFF}")
         if self.aux_loss_enabled:
             raise ValueError(
                 "The MoE load-balancing loss is not a sum over sequences (it is non-linear in the whole batch's router "
-                f"statistics), so DTA cannot reproduce it. Set `router_aux_loss_coef=0.0`, {off}"
+                f"statistics), so DTA cannot reproduce it. Set `router_aux_loss_coef=0.0`, {_OFF}"
             )
         model = self.accelerator.unwrap_model(self.model)
         if is_peft_model(model) and any(c.is_prompt_learning for c in model.peft_config.values()):
             raise ValueError(
                 "Prompt-learning adapters (prompt/prefix/p-tuning) add virtual tokens in the PEFT model's forward, "
-                f"which DTA does not run. Use a LoRA-style adapter, {off}"
+                f"which DTA does not run. Use a LoRA-style adapter, {_OFF}"
             )
-        for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Dropout) and module.p > 0:
-                raise ValueError(
-                    f"Dropout is active ({name}: p={module.p}) and DTA cannot reproduce the dense path's random masks. "
-                    f"Set `disable_dropout=True`, {off}"
-                )
-        config = model.config.get_text_config()
-        if getattr(config, "attention_dropout", 0.0):
-            raise ValueError(
-                f"Attention dropout is active (attention_dropout={config.attention_dropout}) and DTA cannot reproduce "
-                f"it. Set `attention_dropout=0.0` in the model config, {off}"
-            )
+        _checks.check_no_dropout(model, f"Set `disable_dropout=True`, {_OFF}", training_only=False)
         HeadSpec.from_model(model.get_base_model() if is_peft_model(model) else model)
         self._dta_engine(model)
-        self._dta_cost_model = CostModel(hidden_size=config.hidden_size)
+        self._dta_cost_model = CostModel(hidden_size=model.config.get_text_config().hidden_size)
+        if self._dta.dta_group_shuffle:
+            reason = regrouping_changes(self, across_ranks=False)
+            if reason:
+                _checks.warn_once(
+                    "group_shuffle",
+                    f"dta_group_shuffle=True changes the updates relative to TRL's trainer here: {reason}. Set "
+                    "`dta_group_shuffle=False` (the default) for TRL's updates; DTA still shares prefixes across an "
+                    "optimizer step's micro-batches.",
+                )
 
     def _dta_engine(self, model) -> DTAEngine:
         """The engine of an unwrapped model (policy, PEFT policy or reference), built on first use."""
@@ -360,96 +189,50 @@ class DTATrainerMixin:
             self._dta_engines[id(model)] = engine
         return engine
 
-    # ------------------------------------------------------------------ micro-batching
+    # ------------------------------------------------------------------ micro-batches
+
+    def _dta_balances(self) -> bool:
+        """Whether `dta_balance` applies: several processes, and exchanging rows leaves the updates TRL's."""
+        if not (self._dta.dta_balance and self.accelerator.num_processes > 1):
+            return False
+        reason = regrouping_changes(self, across_ranks=True)
+        if reason:
+            _checks.warn_once(
+                "balance_exact",
+                f"dta_balance: ranks keep TRL's rows, because exchanging rows between them would change the updates "
+                f"here: {reason}.",
+            )
+        return reason is None
 
     def _prepare_inputs(self, generation_batch):
-        balance = self._dta.dta_enabled and self._dta.dta_balance and self.accelerator.num_processes > 1
+        balance = self._dta.dta_enabled and self._dta_balances()
         if not (self._dta.dta_enabled and (self._dta.dta_group_shuffle or balance) and self.model.training):
             return super()._prepare_inputs(generation_batch)
-        # TRL's `_prepare_inputs` (train mode), with the rows exchanged between ranks (`dta_balance`) and
-        # `shuffle_sequence_dict` + `split_tensor_dict` replaced (`dta_group_shuffle`).
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        if self._step % generate_every == 0 or self._buffered_inputs is None:
-            generation_batch = self._generate_and_score_completions(generation_batch)
-            generation_batch = split_pixel_values_by_grid(generation_batch)
-            groups = None
+        # TRL's `_prepare_inputs` (train mode), with the rows exchanged between ranks (`dta_balance`) and/or
+        # `shuffle_sequence_dict` + `split_tensor_dict` replaced by the group-aware split (`dta_group_shuffle`).
+        spg = self.args.steps_per_generation
+        if self._step % (spg * self.num_iterations) == 0 or self._buffered_inputs is None:
+            batch = split_pixel_values_by_grid(self._generate_and_score_completions(generation_batch))
             if balance:
-                generation_batch, groups = self._dta_balance(generation_batch)
-            if self._dta.dta_group_shuffle:
-                batches = self._dta_split_generation_batch(generation_batch, groups)
+                if self._dta.dta_cost_model == "fit":
+                    self._dta_refit_cost_model()
+                batch, groups = balance_ranks(self, batch, self._dta_cost_model)
             else:
-                batches = split_tensor_dict(shuffle_sequence_dict(generation_batch), self.args.steps_per_generation)
-            self._buffered_inputs = [unsplit_pixel_values_by_grid(batch) for batch in batches]
-        return self._buffered_inputs[self._step % self.args.steps_per_generation]
-
-    def _dta_balance(self, batch: dict) -> tuple[dict, torch.Tensor | None]:
-        """Exchange whole prompt groups between ranks so that each trains on a forest of equal cost.
-
-        Returns this rank's new generation batch and the global group id of each of its rows (None when the batch
-        is left as it is: vision inputs, or a per-process batch that does not hold whole groups)."""
-        n, size = len(batch["prompt_ids"]), self.num_generations
-        groups = (self.accelerator.process_index * n + torch.arange(n)) // size
-        if any(batch.get(key) is not None for key in _VISION_KEYS):
-            return batch, groups
-        if n % size:
-            _warn_once(
-                "balance_groups",
-                f"dta_balance: each process holds {n} rows of a generation batch, not a multiple of num_generations="
-                f"{size}, so prompt groups straddle processes and cannot be exchanged whole; ranks keep TRL's rows. "
-                "Make `per_device_train_batch_size * steps_per_generation` a multiple of `num_generations`.",
-            )
-            return batch, groups
-        if self._dta.dta_cost_model == "fit":
-            self._dta_refit_cost_model()
-        before = [forest_stats(_Layout.from_inputs(batch).seqs)]
-        before = gather_object(before)
-        local, local_groups, result = redistribute(
-            self.accelerator, batch, groups, pad_token_id=self._tokenizer.pad_token_id or 0, cost_model=self._dta_cost_model
-        )
-        metrics = self._metrics["train"]
-        metrics["dta/compression_ratio_before_balance"].append(
-            sum(s.tokens for s in before) / max(sum(s.tree_tokens for s in before), 1)
-        )
-        metrics["dta/compression_ratio_after_balance"].append(result.compression_after)
-        metrics["dta/rank_cost_imbalance"].append(result.imbalance)
-        return local, local_groups
+                groups = group_ids(self.accelerator.process_index, num_rows(batch), self.num_generations)
+            if self._dta.dta_group_shuffle:
+                batches = split_by_groups(batch, spg, groups, self._dta_cost_model)
+            else:
+                batches = split_tensor_dict(shuffle_sequence_dict(batch), spg)
+            self._buffered_inputs = [unsplit_pixel_values_by_grid(b) for b in batches]
+        return self._buffered_inputs[self._step % spg]
 
     def _dta_refit_cost_model(self) -> None:
         """Refit the balancer's cost model to the engine times of all ranks (identically on every rank)."""
+        from accelerate.utils import gather_object
+
         samples = [row for rows in gather_object([self._dta_cost_samples]) for row in rows]
         if len(samples) >= 8:
             self._dta_cost_model = CostModel.fit(samples, hidden_size=self._dta_cost_model.hidden_size)
-
-    def _dta_split_generation_batch(self, batch: dict, groups: torch.Tensor | None = None) -> list[dict]:
-        """Cut a generation batch into `steps_per_generation` micro-batches of TRL's size, groups kept together.
-
-        The rows are first permuted with `torch.randperm(n)`, the draw TRL's `shuffle_sequence_dict` makes (so the
-        random stream, hence later generations, stay the same as TRL's). Groups are the runs of `num_generations` rows
-        the `RepeatSampler` produced. When all groups have one size that divides the micro-batch size, whole groups
-        are assigned by cost; otherwise the lexicographically sorted batch is cut into equal runs (a group is split
-        only where the sizes force it). The micro-batches come in the order of their first row in the permutation.
-        """
-        k = self.args.steps_per_generation
-        n = len(batch["prompt_ids"])
-        permutation = torch.randperm(n)
-        layout = None if any(batch.get(key) is not None for key in _VISION_KEYS) else _Layout.from_inputs(batch)
-        if layout is None:
-            return split_tensor_dict(_take(batch, permutation), k)
-        if groups is None:
-            groups = (self.accelerator.process_index * n + torch.arange(n)) // self.num_generations
-        labels = groups[permutation].tolist()
-        sizes = {labels.count(g) for g in set(labels)}
-        keep = len(sizes) == 1 and (n // k) % sizes.pop() == 0
-        parts = partition(
-            [layout.seqs[j] for j in permutation.tolist()],
-            k,
-            cost_model=self._dta_cost_model,
-            group_ids=labels if keep else None,
-            keep_groups=keep,
-            equal_count=True,
-        ).parts
-        parts.sort(key=min)
-        return [_take(batch, permutation[torch.tensor(part, dtype=torch.long)]) for part in parts]
 
     # ------------------------------------------------------------------ no-grad scoring
 
@@ -473,7 +256,7 @@ class DTATrainerMixin:
             and not compute_aux_loss
             and all(v is None for v in multimodal.values())
         ):
-            layout = _Layout.from_padded(input_ids, attention_mask, logits_to_keep)
+            layout = Layout.from_padded(input_ids, attention_mask, logits_to_keep)
             if layout is not None:
                 tree = PrefixTree.from_sequences(layout.seqs)
                 if tree.compression_ratio >= self._dta.dta_min_compression:
@@ -505,23 +288,69 @@ class DTATrainerMixin:
         finally:
             self._dta_replay_values = None
 
+    @contextlib.contextmanager
+    def _dta_unlogged(self):
+        """Run TRL's `_compute_loss` for its gradient only: its metrics are discarded and the entropy controller's
+        state (updated at the window's last micro-step) is restored."""
+        state = {name: getattr(self, name) for name in ("entropy_coef", "_last_world_entropy", "_entropy_window_stats")
+                 if hasattr(self, name)}
+        metrics = self._metrics
+        self._metrics = {mode: defaultdict(list) for mode in metrics}
+        try:
+            yield
+        finally:
+            self._metrics = metrics
+            for name, value in state.items():
+                setattr(self, name, value)
+
     # ------------------------------------------------------------------ training
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Tracks the accumulation window. Under DDP, every micro-step runs without DDP's synchronisation (the engine
+        back-propagates on the unwrapped model, which DDP's reducer never sees), and the gradients are averaged once,
+        explicitly, at the end of the window (dense-path micro-steps included, so all ranks reduce the same way)."""
+        if not self._dta.dta_enabled:
+            return super().training_step(model, inputs, num_items_in_batch)
+        distributed = self.accelerator.num_processes > 1
+        with self.accelerator.no_sync(model) if distributed else contextlib.nullcontext():
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        if not self.accelerator.sync_gradients:
+            self._dta_window_position += 1
+            return loss
+        self._dta_window_position = 0
+        self._dta_micro_steps.clear()
+        if distributed:
+            all_reduce_gradients(trainable_parameters(self.accelerator.unwrap_model(model)),
+                                 self.accelerator.num_processes)
+        if self._dta_step_time:
+            self._metrics["train"]["dta/step_time"].append(self._dta_step_time)
+            self._dta_step_time = 0.0
+        return loss
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not (self._dta.dta_enabled and not return_outputs and self.model.training and torch.is_grad_enabled()):
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
-        loss = self._dta_compute_loss(model, inputs, num_items_in_batch)
-        self._metrics["train"]["dta/dense_fallback"].append(float(loss is None))
-        if loss is None:
-            loss = super().compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-        if (self._step + 1) % self.current_gradient_accumulation_steps == 0 and self._dta_step_time:
-            self._metrics["train"]["dta/step_time"].append(self._dta_step_time)
-            self._dta_step_time = 0.0
-        return loss
+        if self._step not in self._dta_micro_steps:
+            self._dta_run_window(model, inputs, num_items_in_batch)
+        micro_step = self._dta_micro_steps.pop(self._step)
+        if micro_step.batch is not inputs:
+            raise RuntimeError(
+                f"micro-step {self._step} trains on another micro-batch than the one TRL buffered for it, whose "
+                "gradient DTA has already accumulated with the window's forest. A `_prepare_inputs` override must "
+                "return `self._buffered_inputs[self._step % steps_per_generation]` as TRL's does."
+            )
+        dense = micro_step.logps is None
+        self._metrics["train"]["dta/dense_fallback"].append(float(dense))
+        if dense:
+            return super().compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        self._metrics["train"]["dta/compression_ratio_micro_batch"].append(micro_step.compression)
+        with torch.no_grad(), self._dta_replay(micro_step.logps, micro_step.entropies):
+            loss = self._compute_loss(model, inputs)  # the logged value and TRL's metrics
+        return loss.detach().requires_grad_()
 
     def _dta_sequence_loss(self, inputs: dict, scale: float):
-        """The per-sequence objective of this micro-batch, or None when the loss is not a sum over sequences."""
+        """The per-sequence objective of a micro-batch, or None when the loss is not a sum over sequences."""
         if type(self)._compute_loss is not self._dta_trl_class._compute_loss:
             return None  # a subclass's own objective: only the two-pass path is exact for any function of logps
         return self._dta_loss_class(self, inputs, scale)
@@ -536,33 +365,30 @@ class DTATrainerMixin:
         scale = 1.0 if scaled else 1.0 / self.current_gradient_accumulation_steps
         return scale / self.accelerator.gradient_accumulation_steps
 
-    def _dta_backward_context(self, model):
-        """Context of the engine's backward calls (they run on the unwrapped model; see `training_step`)."""
-        return contextlib.nullcontext()
+    def _dta_run_window(self, model, inputs: dict, num_items_in_batch) -> None:
+        """Forward and backward of the window's buffered micro-batches, from this micro-step on, as one forest.
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        """Under DDP, every micro-step runs without DDP's synchronisation (the engine back-propagates many times, on
-        the unwrapped model, which DDP's reducer never sees), and the gradients are averaged once, explicitly, at the
-        end of the accumulation window (dense-fallback micro-steps included, so all ranks reduce the same way)."""
-        if not (self._dta.dta_enabled and self.accelerator.num_processes > 1):
-            return super().training_step(model, inputs, num_items_in_batch)
-        with self.accelerator.no_sync(model):
-            loss = super().training_step(model, inputs, num_items_in_batch)
-        if self.accelerator.sync_gradients:
-            params = trainable_parameters(self.accelerator.unwrap_model(model))
-            all_reduce_gradients(params, self.accelerator.num_processes)
-        return loss
-
-    def _dta_compute_loss(self, model, inputs: dict, num_items_in_batch) -> torch.Tensor | None:
-        """Forward and backward of one micro-batch through the engine; None when it must take TRL's dense path."""
-        if any(inputs.get(key) is not None for key in _VISION_KEYS):
-            return None
-        layout = _Layout.from_inputs(inputs)
-        if layout is None:
-            return None
-        tree = PrefixTree.from_sequences(layout.seqs)
-        if tree.compression_ratio < self._dta.dta_min_compression:
-            return None
+        Stores a [`_MicroStep`] per micro-step in `_dta_micro_steps`; micro-batches DTA does not handle (vision
+        inputs, an unusual mask), or all of them when the forest compresses less than `dta_min_compression`, are left
+        to TRL's dense path at their own micro-step.
+        """
+        steps, batches = buffered_window(
+            inputs,
+            self._buffered_inputs,
+            self._step,
+            self.current_gradient_accumulation_steps - self._dta_window_position,
+            self.args.steps_per_generation,
+            self.args.steps_per_generation * self.num_iterations,
+        )
+        layouts = [None if has_vision_inputs(b) else Layout.from_batch(b) for b in batches]
+        for step, batch, layout in zip(steps, batches, layouts):
+            self._dta_micro_steps[step] = _MicroStep(batch)
+        kept = [k for k, layout in enumerate(layouts) if layout is not None]
+        if not kept:
+            return
+        forest = StepForest([steps[k] for k in kept], [batches[k] for k in kept], [layouts[k] for k in kept])
+        if forest.tree.compression_ratio < self._dta.dta_min_compression:
+            return
 
         device = self.accelerator.device
         if device.type == "cuda":
@@ -570,65 +396,62 @@ class DTATrainerMixin:
         start = time.perf_counter()
         engine = self._dta_engine(self.accelerator.unwrap_model(model))
         scale = self._dta_loss_scale(num_items_in_batch)
-        objective = self._dta_sequence_loss(inputs, scale)
+        terms = [self._dta_sequence_loss(batch, scale) for batch in forest.batches]
         out_device = inputs["completion_ids"].device
-        scored = layout.lengths  # the engine projects only the completion positions through the LM head
-
+        run = dict(temperature=self.temperature, n_scored=forest.n_scored)
         # Autocast covers the model computation only, as in TRL's `_get_per_token_logps_and_entropies`.
-        run = dict(temperature=self.temperature, n_scored=scored)
-        if objective is not None:
-            with self._dta_backward_context(model), self.accelerator.autocast():
-                out = engine.forward_backward(tree, objective, entropy=True, **run)
+        if all(term is not None for term in terms):
+            with self.accelerator.autocast():
+                out = engine.forward_backward(forest.tree, forest.objective(terms), entropy=True, **run)
             forward_tokens = out.stats["forward_tokens"]
-            logps = layout.gather(out.logps, out_device)
-            entropies = layout.gather(out.entropies, out_device)
-            with torch.no_grad(), self._dta_replay(logps, entropies):
-                loss = self._compute_loss(model, inputs)  # the logged value and TRL's metrics
         else:
             with self.accelerator.autocast():
-                first = engine.logprobs(tree, entropy=True, **run)
-            logps = layout.gather(first.logps, out_device).requires_grad_()
-            entropies = layout.gather(first.entropies, out_device).requires_grad_()
-            with self._dta_replay(logps, entropies):
-                loss = self._compute_loss(model, inputs)
-            grad_logps, grad_entropies = torch.autograd.grad(loss * scale, (logps, entropies), allow_unused=True)
-            if grad_logps is None:
-                grad_logps = torch.zeros_like(logps)
-
-            def surrogate(i, seq_logps, seq_entropies):
-                """`<logps_i, dL/dlogps_i> + <entropies_i, dL/dentropies_i>`: TRL's gradient, one sequence."""
-                n = seq_logps.size(0)
-                term = (seq_logps * grad_logps[i, :n].to(seq_logps.device, seq_logps.dtype)).sum()
-                if grad_entropies is not None:
-                    h = grad_entropies[i, :n].to(seq_entropies.device, seq_entropies.dtype)
-                    term = term + (seq_entropies * h).sum()
-                return term
-
-            with self._dta_backward_context(model), self.accelerator.autocast():
-                out = engine.forward_backward(tree, surrogate, entropy=grad_entropies is not None, **run)
-            forward_tokens = first.stats["forward_tokens"] + out.stats["forward_tokens"]
+                out = engine.logprobs(forest.tree, entropy=True, **run)
+            forward_tokens = out.stats["forward_tokens"]
+            surrogate, entropy = self._dta_surrogate(model, forest, out, scale, out_device)
+            with self.accelerator.autocast():
+                forward_tokens += engine.forward_backward(forest.tree, surrogate, entropy=entropy,
+                                                          **run).stats["forward_tokens"]
+        logps = forest.split(out.logps, out_device)
+        entropies = forest.split(out.entropies, out_device)
+        for k, step in enumerate(forest.steps):
+            compression = PrefixTree.from_sequences(forest.layouts[k].seqs).compression_ratio
+            self._dta_micro_steps[step] = _MicroStep(forest.batches[k], logps[k], entropies[k], compression)
 
         seconds = time.perf_counter() - start
         self._dta_step_time += seconds
         if self._dta.dta_cost_model == "fit":
-            s = forest_stats(tree)
+            s = forest_stats(forest.tree)
             self._dta_cost_samples.append((s.tree_tokens, s.attention_work, s.leaves, seconds))
         metrics = self._metrics["train"]
-        metrics["dta/compression_ratio"].append(tree.compression_ratio)
-        metrics["dta/tokens"].append(float(tree.n_tokens))
-        metrics["dta/tree_tokens"].append(float(tree.n_tree_tokens))
+        metrics["dta/compression_ratio"].append(forest.tree.compression_ratio)
+        metrics["dta/tokens"].append(float(forest.tree.n_tokens))
+        metrics["dta/tree_tokens"].append(float(forest.tree.n_tree_tokens))
         metrics["dta/forward_tokens"].append(float(forward_tokens))
+        metrics["dta/micro_batches_per_forest"].append(float(len(forest.steps)))
         metrics["dta/peak_memory_mb"].append(_peak_memory_mb(device))
-        return loss.detach().requires_grad_()
 
+    def _dta_surrogate(self, model, forest: StepForest, first, scale: float, device):
+        """The two-pass path's per-sequence surrogate: TRL's `_compute_loss` on each micro-batch's first-pass log-probs
+        (autograd inputs) gives `dL/dlogps` and `dL/dentropies`; returns the surrogate and whether it needs entropies."""
+        grads = []
+        for batch, logps, entropies in zip(forest.batches, forest.split(first.logps, device),
+                                           forest.split(first.entropies, device)):
+            logps, entropies = logps.requires_grad_(), entropies.requires_grad_()
+            with self._dta_replay(logps, entropies), self._dta_unlogged():
+                loss = self._compute_loss(model, batch)
+            grad_logps, grad_entropies = torch.autograd.grad(loss * scale, (logps, entropies), allow_unused=True)
+            grads.append((torch.zeros_like(logps) if grad_logps is None else grad_logps, grad_entropies))
+        entropy = any(g is not None for _, g in grads)
 
-def dta_parameters_doc() -> str:
-    """The `dta_*` parameters in the Hugging Face docstring format, from the fields' help text (one source)."""
-    import textwrap
+        def surrogate(i, seq_logps, seq_entropies):
+            """`<logps_i, dL/dlogps_i> + <entropies_i, dL/dentropies_i>`: TRL's gradient, one sequence."""
+            k, j = forest.locate(i)
+            grad_logps, grad_entropies = grads[k]
+            n = seq_logps.size(0)
+            term = (seq_logps * grad_logps[j, :n].to(seq_logps.device, seq_logps.dtype)).sum()
+            if grad_entropies is not None:
+                term = term + (seq_entropies * grad_entropies[j, :n].to(seq_entropies.device, seq_entropies.dtype)).sum()
+            return term
 
-    lines = ["    Parameters:", "        > Parameters that control Dynamic Tree Attention", ""]
-    for f in fields(DTAArguments):
-        kind = {"bool": "bool", "int": "int", "float": "float", "str": "str", "int | None": "int` or `None"}[str(f.type)]
-        lines.append(f"        {f.name} (`{kind}`, *optional*, defaults to `{f.default}`):")
-        lines += textwrap.wrap(f.metadata["help"], width=116, initial_indent=" " * 12, subsequent_indent=" " * 12)
-    return "\n".join(lines) + "\n"
+        return surrogate, entropy

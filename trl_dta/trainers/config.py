@@ -1,0 +1,236 @@
+"""Configuration of the DTA trainers: the `dta_*` options, the two configs, and the TRL settings DTA refuses.
+
+[`DTAArguments`] holds the `dta_*` fields, grouped by concern; each field's `help` text is the one source of its
+documentation (the configs' docstrings are generated from it by [`dta_parameters_doc`]). [`DTAGRPOConfig`] and
+[`DTARLOOConfig`] are TRL's configs plus these fields, validated in `__post_init__` with `trl_dta._checks` (one rule
+per kind of value: `True` is never a count, `2.0` is never a token budget, `nan` is never a threshold).
+"""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass, field, fields
+
+import trl
+from trl import GRPOConfig, RLOOConfig
+
+from .._checks import check_bool, check_choice, check_float, check_int, warn_once
+
+
+# The TRL minor versions the equivalence tests (`tests/trainers/`) run against. The trainers override TRL private
+# hooks (`_prepare_inputs`, `_get_per_token_logps_and_entropies`, `_compute_loss`) and read private attributes
+# (`_step`, `_buffered_inputs`, `_metrics`), so another TRL version may change what "identical to TRL" means.
+TESTED_TRL_VERSIONS = ("1.16",)
+
+
+def check_trl_version(version: str | None = None) -> None:
+    """Warn once when the installed TRL (or `version`) is not one of [`TESTED_TRL_VERSIONS`]."""
+    version = trl.__version__ if version is None else version
+    minor = ".".join(version.split(".")[:2])
+    if minor not in TESTED_TRL_VERSIONS:
+        warn_once(
+            "trl_version",
+            f"trl_dta's trainers are tested with TRL {', '.join(TESTED_TRL_VERSIONS)}; TRL {version} is installed. "
+            "They override TRL's private hooks, so their results may differ from TRL's trainers on this version: "
+            f"install `trl>={TESTED_TRL_VERSIONS[0]},<{_next_minor(TESTED_TRL_VERSIONS[-1])}`, or check the "
+            "equivalence tests (`pytest tests/trainers`) on this version first.",
+        )
+
+
+def _next_minor(version: str) -> str:
+    major, minor = version.split(".")
+    return f"{major}.{int(minor) + 1}"
+
+
+_OFF = "or set `dta_enabled=False` to train with the TRL trainer's dense path."
+
+
+@dataclass
+class DTAArguments:
+    """The `dta_*` fields shared by [`DTAGRPOConfig`] and [`DTARLOOConfig`] (see their docstrings)."""
+
+    # Whether and when DTA runs
+    dta_enabled: bool = field(
+        default=True,
+        metadata={
+            "help": "Whether to run the policy loss and the no-grad old-policy/reference log-probs through prefix "
+            "trees (Dynamic Tree Attention). With `False` the trainer is exactly the TRL trainer."
+        },
+    )
+    dta_min_compression: float = field(
+        default=1.1,
+        metadata={
+            "help": "An optimizer step's forest (or a no-grad batch's tree) that compresses its tokens less than this "
+            "ratio (tokens / tree tokens) runs TRL's dense path unchanged. `1.0` or less sends every batch through DTA."
+        },
+    )
+
+    # Engine budgets
+    dta_block_size: int = field(
+        default=1024,
+        metadata={
+            "help": "Tokens per re-forward block when a tree segment's autograd graph is dropped and recomputed in "
+            "the backward (DTA's token-wise checkpointing, used when `dta_max_graph_tokens` is exceeded)."
+        },
+    )
+    dta_max_batch_tokens: int = field(
+        default=8192,
+        metadata={
+            "help": "Padded-token budget of one forward of sibling leaves: the completions of one prompt are "
+            "forwarded together, with the prompt's keys/values shared, up to this many tokens per forward."
+        },
+    )
+    dta_max_pack_tokens: int = field(
+        default=1024,
+        metadata={
+            "help": "A subtree of the prefix tree with at most this many tokens (e.g. a group of short multi-turn "
+            "branches) runs as one tree-masked row of a batched forward instead of segment by segment: fewer, larger "
+            "forward/backward calls, at the price of attention over the whole row. `0` walks every segment."
+        },
+    )
+    dta_max_graph_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "Memory budget, in tokens of kept autograd graph; segments beyond it are recomputed in blocks of "
+            "`dta_block_size` tokens. `None` keeps every graph (fastest), except that with "
+            "`gradient_checkpointing=True` (TRL's default) it becomes `dta_block_size`: HF gradient checkpointing "
+            "cannot reuse a prefix's keys/values, so DTA runs without it and bounds memory this way."
+        },
+    )
+
+    # Regrouping rows
+    dta_group_shuffle: bool = field(
+        default=False,
+        metadata={
+            "help": "Opt-in, changes which rows each micro-batch trains on: after TRL's random draw, a generation "
+            "batch's rows go to micro-batches of TRL's size that keep each prompt's completions together, balanced by "
+            "tree cost. The updates then stay TRL's only when every optimizer step covers whole generation batches "
+            "(`gradient_accumulation_steps` a multiple of `steps_per_generation`), and, unless "
+            "`steps_per_generation=1`, the loss does not depend on how rows form micro-batches (not "
+            "`loss_type='bnpo'`, no entropy bonus, `top_entropy_quantile=1`); otherwise each optimizer step trains "
+            "on other rows than TRL's, or with other normalisers, and a warning says so once. Logged per-micro-batch "
+            "metrics differ in any case. With the default `False`, TRL's shuffle and split are kept exactly, and DTA "
+            "still shares prefixes across all micro-batches of an optimizer step (one forest per step)."
+        },
+    )
+    dta_balance: bool = field(
+        default=True,
+        metadata={
+            "help": "With several processes: after each generation, exchange whole prompt groups between ranks so that "
+            "every rank trains on a forest of equal tree cost (each rank keeps its number of rows). Applied only where "
+            "this leaves every update equal to TRL's: each optimizer step covers whole generation batches "
+            "(`gradient_accumulation_steps` a multiple of `steps_per_generation`), the loss does not depend on which "
+            "rows a rank holds (not `loss_type='bnpo'`, no entropy bonus, `top_entropy_quantile=1`), and each "
+            "process's generation batch holds whole groups (a multiple of `num_generations` rows). Elsewhere ranks "
+            "keep TRL's rows, and a warning says why once."
+        },
+    )
+    dta_cost_model: str = field(
+        default="default",
+        metadata={
+            "help": "Cost of a forest for `dta_balance` and `dta_group_shuffle`: 'default' (tree tokens + attention "
+            "work + a per-leaf overhead, from the model width) or 'fit' (coefficients fitted by least squares to the "
+            "engine's measured step times, gathered from all ranks, once 8 samples exist)."
+        },
+    )
+
+    def validate_dta(self) -> None:
+        """Check every `dta_*` value; errors name the field and the fix."""
+        for name in ("dta_enabled", "dta_group_shuffle", "dta_balance"):
+            check_bool(name, getattr(self, name))
+        self.dta_block_size = check_int("dta_block_size", self.dta_block_size, minimum=1)
+        self.dta_max_batch_tokens = check_int("dta_max_batch_tokens", self.dta_max_batch_tokens, minimum=1)
+        self.dta_max_pack_tokens = check_int("dta_max_pack_tokens", self.dta_max_pack_tokens, minimum=0,
+                                             hint="0 walks every segment")
+        self.dta_max_graph_tokens = check_int("dta_max_graph_tokens", self.dta_max_graph_tokens, minimum=0,
+                                              allow_none=True, hint="None keeps every graph")
+        self.dta_min_compression = check_float("dta_min_compression", self.dta_min_compression, minimum=0.0,
+                                               hint="1.0 sends every batch through DTA")
+        check_choice("dta_cost_model", self.dta_cost_model, ("default", "fit"))
+
+    @classmethod
+    def from_config(cls, args) -> DTAArguments:
+        """The `dta_*` settings of a config, validated; DTA's defaults for a plain TRL config."""
+        settings = cls(**{f.name: getattr(args, f.name, f.default) for f in fields(cls)})
+        settings.validate_dta()
+        return settings
+
+
+# Sections of the generated docstring, in the order of the fields.
+_SECTIONS = (
+    ("Parameters that control whether and when Dynamic Tree Attention runs", ("dta_enabled", "dta_min_compression")),
+    ("Parameters that bound the engine's memory and batch sizes",
+     ("dta_block_size", "dta_max_batch_tokens", "dta_max_pack_tokens", "dta_max_graph_tokens")),
+    ("Parameters that regroup rows (micro-batches, ranks)", ("dta_group_shuffle", "dta_balance", "dta_cost_model")),
+)
+_TYPE_NAMES = {"bool": "bool", "int": "int", "float": "float", "str": "str", "int | None": "int` or `None"}
+
+
+def dta_parameters_doc() -> str:
+    """The `dta_*` parameters in the Hugging Face docstring format, from the fields' help text (one source)."""
+    by_name = {f.name: f for f in fields(DTAArguments)}
+    lines = ["    Parameters:"]
+    for title, names in _SECTIONS:
+        lines += [f"        > {title}", ""]
+        for name in names:
+            f = by_name[name]
+            lines.append(f"        {f.name} (`{_TYPE_NAMES[str(f.type)]}`, *optional*, defaults to `{f.default}`):")
+            lines += textwrap.wrap(f.metadata["help"], width=116, initial_indent=" " * 12, subsequent_indent=" " * 12)
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _config_doc(trainer: str, trl_config: str) -> str:
+    return (
+        f"""
+    Configuration class for [`{trainer}`]: every [`~trl.{trl_config}`] parameter, plus the `dta_*` parameters below.
+
+    Defaults are TRL's, and with DTA's defaults every update equals the TRL trainer's. Note that
+    `gradient_checkpointing=True` (TRL's default) bounds DTA's memory through `dta_max_graph_tokens` instead of HF
+    checkpointing (see that parameter).
+
+"""
+        + dta_parameters_doc()
+    )
+
+
+@dataclass
+class DTAGRPOConfig(DTAArguments, GRPOConfig):
+    def __post_init__(self):
+        super().__post_init__()
+        self.validate_dta()
+
+
+@dataclass
+class DTARLOOConfig(DTAArguments, RLOOConfig):
+    def __post_init__(self):
+        super().__post_init__()
+        self.validate_dta()
+
+
+DTAGRPOConfig.__doc__ = _config_doc("DTAGRPOTrainer", "GRPOConfig")
+DTARLOOConfig.__doc__ = _config_doc("DTARLOOTrainer", "RLOOConfig")
+
+
+def check_trainer_args(args) -> None:
+    """Options of the HF/TRL config that DTA cannot honour exactly; each error names the option and the fix."""
+    if args.fp16:
+        raise ValueError(
+            "`fp16=True` is not supported with DTA: the engine back-propagates inside `compute_loss`, outside the fp16 "
+            f"gradient scaler. Use `bf16=True` or float32, {_OFF}"
+        )
+    if args.deepspeed or args.fsdp:
+        raise ValueError(
+            "DeepSpeed and FSDP are not supported with DTA: the engine runs on the unwrapped model and needs every "
+            f"parameter materialised. Use plain data parallelism, {_OFF}"
+        )
+    if args.use_liger_kernel:
+        raise ValueError(
+            "`use_liger_kernel=True` is not supported with DTA: Liger replaces the model's layers with kernels whose "
+            f"equivalence with DTA is untested. Set `use_liger_kernel=False`, {_OFF}"
+        )
+    if getattr(args.optim, "value", args.optim) in ("lomo", "adalomo"):
+        raise ValueError(
+            f"`optim={args.optim!r}` fuses the optimizer step into `backward`, which DTA calls many times per "
+            f"optimizer step. Choose another optimizer, {_OFF}"
+        )
