@@ -1,7 +1,9 @@
 """Dynamic Tree Attention inside TRL's trainers: the TRL hooks `DTAGRPOTrainer` and `DTARLOOTrainer` override.
 
 - `_prepare_inputs` (training): TRL's own, unless an opt-in regrouping applies (`micro_batches.py`: prompt groups kept
-  in one micro-batch, `dta_group_shuffle`; groups exchanged between ranks, `dta_balance`).
+  in one micro-batch, `dta_group_shuffle`; groups exchanged between ranks, `dta_balance`). With
+  `dta_sample_layout='per_turn'`, also when DTA is off, multi-turn episodes become one row per assistant turn
+  (`layouts.py`).
 - `_get_per_token_logps_and_entropies` (no-grad calls: old-policy and reference log-probs, evaluation): the whole
   batch goes through `DTAEngine.logprobs` over its prefix tree.
 - `compute_loss` (training): at the first micro-step of an accumulation window, all the window's micro-batches TRL has
@@ -54,6 +56,7 @@ from ..engine import DTAEngine
 from ..lm_head import HeadSpec
 from ..tree import PrefixTree
 from .config import _OFF, DTAArguments, check_trainer_args, check_trl_version
+from .layouts import expand_per_turn, per_turn_micro_batches
 from .micro_batches import balance_ranks, regrouping_changes, split_by_groups
 from .step_forest import StepForest, buffered_window
 
@@ -185,6 +188,7 @@ class DTATrainerMixin:
                 max_batch_tokens=self._dta.dta_max_batch_tokens,
                 max_graph_tokens=self._dta_max_graph_tokens,
                 max_pack_tokens=self._dta.dta_max_pack_tokens,
+                attn_backend=self._dta.dta_attn_backend,
             )
             self._dta_engines[id(model)] = engine
         return engine
@@ -205,6 +209,8 @@ class DTATrainerMixin:
         return reason is None
 
     def _prepare_inputs(self, generation_batch):
+        if self._dta.dta_sample_layout == "per_turn":
+            return self._dta_prepare_per_turn(generation_batch)
         balance = self._dta.dta_enabled and self._dta_balances()
         if not (self._dta.dta_enabled and (self._dta.dta_group_shuffle or balance) and self.model.training):
             return super()._prepare_inputs(generation_batch)
@@ -224,6 +230,29 @@ class DTATrainerMixin:
             else:
                 batches = split_tensor_dict(shuffle_sequence_dict(batch), spg)
             self._buffered_inputs = [unsplit_pixel_values_by_grid(b) for b in batches]
+        return self._buffered_inputs[self._step % spg]
+
+    def _dta_prepare_per_turn(self, generation_batch):
+        """TRL's `_prepare_inputs` with one row per assistant turn, DTA on or off (`layouts.py`): each generation's
+        episodes become turn rows, shuffled by TRL's draw and cut into `steps_per_generation` micro-batches that keep
+        every row; in evaluation, the generation's turn rows. Ranks keep their own episodes (no `dta_balance`)."""
+        pad_token_id, multiple = self._tokenizer.pad_token_id, self.pad_to_multiple_of
+        if not self.model.training:
+            return expand_per_turn(self._generate_and_score_completions(generation_batch), pad_token_id, multiple)
+        spg = self.args.steps_per_generation
+        if self._step % (spg * self.num_iterations) == 0 or self._buffered_inputs is None:
+            batch = self._generate_and_score_completions(generation_batch)
+            self._buffered_inputs = per_turn_micro_batches(batch, spg, pad_token_id, multiple)
+            if self.accelerator.num_processes > 1:
+                from accelerate.utils import gather_object
+
+                rows = gather_object([[len(b["prompt_ids"]) for b in self._buffered_inputs]])
+                if any(counts != rows[0] for counts in rows):
+                    raise ValueError(
+                        f"dta_sample_layout='per_turn': the processes hold different numbers of turn rows per "
+                        f"micro-batch ({rows}), and TRL's `_compute_loss` gathers per-row metrics across processes, "
+                        "which needs equal counts. Use one process, or `dta_sample_layout='episode'`."
+                    )
         return self._buffered_inputs[self._step % spg]
 
     def _dta_refit_cost_model(self) -> None:

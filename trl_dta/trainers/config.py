@@ -15,6 +15,8 @@ import trl
 from trl import GRPOConfig, RLOOConfig
 
 from .._checks import check_bool, check_choice, check_float, check_int, warn_once
+from ..kernels import BACKENDS
+from .layouts import SAMPLE_LAYOUTS
 
 
 # The TRL minor versions the equivalence tests (`tests/trainers/`) run against. The trainers override TRL private
@@ -98,6 +100,18 @@ class DTAArguments:
         },
     )
 
+    # Attention kernels
+    dta_attn_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "The engine's attention kernels: 'auto' (the fastest exact backend on the model's device: 'torch' "
+            "on CPU; 'flash' on CUDA when flash-attn is installed, else 'torch'), 'torch', 'flash', 'triton' (the "
+            "prompt's keys/values stored once and attended by all its completions in one call) or 'sdpa' (the "
+            "reference: the prompt's keys/values copied once per completion of a batched forward). All are exact; "
+            "see `trl_dta.attention` for what each supports."
+        },
+    )
+
     # Regrouping rows
     dta_group_shuffle: bool = field(
         default=False,
@@ -134,10 +148,34 @@ class DTAArguments:
         },
     )
 
+    # Training rows of multi-turn episodes
+    dta_sample_layout: str = field(
+        default="episode",
+        metadata={
+            "help": "How multi-turn episodes (batches with a `tool_mask`: a `rollout_func` that returns an `env_mask`, "
+            "such as `trl_dta.envs.AgentRolloutFunc`, or TRL's tool loop) become training rows. 'episode': TRL's, one "
+            "row per episode, user and tool tokens masked out of the loss. 'per_turn': one row per assistant turn, its "
+            "prompt the conversation the policy saw, its advantage the episode's; an episode's turns are nested "
+            "prefixes, which DTA computes once. Applies with `dta_enabled=False` too: TRL's dense path then trains on "
+            "the same per-turn micro-batches. 'per_turn' keeps every turn (micro-batches of near-equal size instead of "
+            "TRL's equal split), and turns instead of episodes are what `grpo`, `sapo`, `luspo`, `bnpo` and `dr_grpo` "
+            "average over (`dapo` and `cispo` weigh every policy token as 'episode' does); see "
+            "`trl_dta.trainers.layouts`. With 'per_turn', `dta_group_shuffle` is unavailable and `dta_balance` does "
+            "not apply (each rank keeps its episodes)."
+        },
+    )
+
     def validate_dta(self) -> None:
         """Check every `dta_*` value; errors name the field and the fix."""
         for name in ("dta_enabled", "dta_group_shuffle", "dta_balance"):
             check_bool(name, getattr(self, name))
+        check_choice("dta_sample_layout", self.dta_sample_layout, SAMPLE_LAYOUTS)
+        if self.dta_sample_layout == "per_turn" and self.dta_group_shuffle:
+            raise ValueError(
+                "`dta_group_shuffle=True` regroups episodes, not turns: it cannot be combined with "
+                "`dta_sample_layout='per_turn'`. Set `dta_group_shuffle=False` (DTA still shares prefixes across an "
+                "optimizer step's micro-batches)."
+            )
         self.dta_block_size = check_int("dta_block_size", self.dta_block_size, minimum=1)
         self.dta_max_batch_tokens = check_int("dta_max_batch_tokens", self.dta_max_batch_tokens, minimum=1)
         self.dta_max_pack_tokens = check_int("dta_max_pack_tokens", self.dta_max_pack_tokens, minimum=0,
@@ -147,6 +185,7 @@ class DTAArguments:
         self.dta_min_compression = check_float("dta_min_compression", self.dta_min_compression, minimum=0.0,
                                                hint="1.0 sends every batch through DTA")
         check_choice("dta_cost_model", self.dta_cost_model, ("default", "fit"))
+        check_choice("dta_attn_backend", self.dta_attn_backend, BACKENDS)
 
     @classmethod
     def from_config(cls, args) -> DTAArguments:
@@ -161,7 +200,9 @@ _SECTIONS = (
     ("Parameters that control whether and when Dynamic Tree Attention runs", ("dta_enabled", "dta_min_compression")),
     ("Parameters that bound the engine's memory and batch sizes",
      ("dta_block_size", "dta_max_batch_tokens", "dta_max_pack_tokens", "dta_max_graph_tokens")),
+    ("Parameters that choose the engine's attention kernels", ("dta_attn_backend",)),
     ("Parameters that regroup rows (micro-batches, ranks)", ("dta_group_shuffle", "dta_balance", "dta_cost_model")),
+    ("Parameters that shape the training rows of multi-turn episodes", ("dta_sample_layout",)),
 )
 _TYPE_NAMES = {"bool": "bool", "int": "int", "float": "float", "str": "str", "int | None": "int` or `None"}
 
@@ -206,6 +247,11 @@ class DTARLOOConfig(DTAArguments, RLOOConfig):
     def __post_init__(self):
         super().__post_init__()
         self.validate_dta()
+        if self.dta_sample_layout != "episode":
+            raise ValueError(
+                "TRL's RLOOTrainer has no multi-turn rollouts (no `rollout_func` or tools), so its batches have no "
+                "turns: keep `dta_sample_layout='episode'`, or train multi-turn episodes with `DTAGRPOTrainer`."
+            )
 
 
 DTAGRPOConfig.__doc__ = _config_doc("DTAGRPOTrainer", "GRPOConfig")

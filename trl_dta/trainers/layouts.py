@@ -1,0 +1,241 @@
+"""Training-sample layouts of multi-turn episodes: TRL's one row per episode, or one row per assistant turn.
+
+A multi-turn rollout (TRL's `rollout_func` with an `env_mask`, or its `tools=` loop) gives one row per episode: the
+prompt, then a completion in which the policy's turns alternate with user and tool tokens, the latter masked out of
+the loss by `tool_mask`. `dta_sample_layout` chooses how the trainer learns from it:
+
+- `"episode"`: TRL's rows, unchanged (one sequence per episode, `completion_mask * tool_mask` selects the loss tokens).
+- `"per_turn"`: one row per assistant turn, as AReaL trains tau2-bench. Turn `t` is a maximal run of ones of
+  `completion_mask * tool_mask`, columns `[s_t, e_t)` of the completion; its row's prompt is the conversation the
+  policy saw when it wrote the turn, its completion is the turn:
+
+```
+episode row      prompt [ . . p p p ]  completion [ a a u u u a a a t t a . . ]      a: policy, u/t: user/tool
+                                                    s0  e0    s1    e1  s2 e2
+per-turn rows    [ . . . . . . . . . p p p ]                       [ a a . ]           turn 0
+                 [ . . . . p p p a a u u u ]                       [ a a a ]           turn 1
+                 [ p p p a a u u u a a a t t ]                     [ a . . ]           turn 2
+```
+
+  The turns of an episode are nested prefixes of each other, and a turn's prompt is exactly what the policy was
+  conditioned on, so its tokens' log-probs are the episode row's, column for column. Every row carries its episode's
+  advantage (computed by TRL per group of `num_generations` episodes); per-token tensors (`old_per_token_logps`,
+  `ref_per_token_logps`, `sampling_per_token_logps`, token-level `importance_sampling_ratio`) are cut like the
+  completion, per-episode ones (`advantages`, a sequence-level `importance_sampling_ratio`) repeated.
+  `num_items_in_batch` (TRL: the loss tokens `completion_mask * tool_mask` of the whole generation batch, summed
+  over processes) counts the same tokens in both layouts and is kept. An episode without policy tokens (e.g. masked
+  by `mask_truncated_completions`) gives no row.
+
+What the objective becomes per `loss_type` in the per-turn layout (TRL's `_compute_loss`, applied to the per-turn
+micro-batches; `gas` = gradient accumulation steps, `spg` = steps per generation):
+
+| `loss_type`     | normaliser in TRL                                | in the per-turn layout                          |
+|-----------------|--------------------------------------------------|-------------------------------------------------|
+| `dapo`, `cispo` | `num_items_in_batch / processes * gas / spg`     | unchanged: every policy token weighs as in the  |
+|                 |                                                  | episode layout (the same objective when `gas`   |
+|                 |                                                  | is a multiple of `spg`, token-level ratios)     |
+| `vespo`         | as `dapo`; the gamma weight is per sequence      | the weight is per turn                          |
+| `grpo`, `sapo`  | token mean per row, mean over the rows           | each turn is a row: turns, not episodes, are    |
+|                 | of the micro-batch                               | averaged, with 1 / (rows of its micro-batch)    |
+| `luspo`         | token sum per row, mean over the rows            | as `grpo`: a turn's token sum per row           |
+| `bnpo`          | the micro-batch's policy tokens                  | the same formula, on per-turn micro-batches     |
+| `dr_grpo`       | rows x `max_completion_length`                   | turns x `max_completion_length` (the per-turn   |
+|                 |                                                  | budget with `trl_dta.envs.AgentRolloutFunc`)    |
+
+Sequence-level statistics become per-turn: `importance_sampling_level="sequence"` averages the log-ratio over the
+turn, `off_policy_mask_threshold` masks turns; a vLLM sequence-level importance ratio stays the episode's. The entropy
+bonus is a token mean over the micro-batch, as in TRL.
+
+Splitting: the number of per-turn rows varies from one generation (and process) to the next, and TRL's
+`split_tensor_dict` would drop `rows % steps_per_generation` of them. [`split_rows`] keeps every row: after TRL's
+`shuffle_sequence_dict`, `steps_per_generation` contiguous micro-batches of `rows // spg` or `rows // spg + 1` rows,
+each trimmed to its own padded width. The same split serves `dta_enabled=True` and `False`, so DTA and TRL's dense path
+train on the same micro-batches.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .._checks import check_int
+from ..batch import VISION_KEYS, num_rows
+
+SAMPLE_LAYOUTS = ("episode", "per_turn")
+
+# Keys of TRL's generation batch whose columns are the completion's (B, C): cut per turn.
+PER_TOKEN_KEYS = ("old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps")
+# Keys that are per episode, (B,) or (B, 1), or per token, (B, C) (a subclass's token-level advantages, a vLLM
+# token-level importance ratio): repeated per turn, or cut per turn.
+PER_EPISODE_OR_TOKEN_KEYS = ("advantages", "importance_sampling_ratio")
+# 0-d tensors kept as they are.
+SCALAR_KEYS = ("num_items_in_batch",)
+# Keys rebuilt for the turn rows.
+TOKEN_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "tool_mask")
+
+_HOW_TO_GET_TOOL_MASK = (
+    "`dta_sample_layout='per_turn'` needs multi-turn rollouts whose batch carries a `tool_mask` (a `rollout_func` that "
+    "returns an `env_mask`, e.g. `trl_dta.envs.AgentRolloutFunc`, or TRL's `tools=`/`environment_factory=`); use "
+    "`dta_sample_layout='episode'` for single-turn batches."
+)
+
+
+def turn_spans(loss_mask: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """The assistant turns of each row: maximal runs of ones of the loss mask.
+
+    Args:
+        loss_mask (`torch.Tensor` of shape `(B, C)`): `completion_mask * tool_mask`, 0/1.
+
+    Returns:
+        `list[list[tuple[int, int]]]`: per row, the turns `(start, end)` in completion columns, in order.
+    """
+    mask = (loss_mask != 0).to(torch.int8)
+    edges = torch.nn.functional.pad(mask, (1, 1)).diff(dim=1)  # (B, C + 1): +1 where a run starts, -1 after it ends
+    starts, ends = (edges == 1).nonzero().tolist(), (edges == -1).nonzero().tolist()  # row-major, one pair per run
+    spans: list[list[tuple[int, int]]] = [[] for _ in range(mask.size(0))]
+    for (row, start), (_, end) in zip(starts, ends):
+        spans[row].append((start, end))
+    return spans
+
+
+def _padded_width(width: int, multiple: int | None) -> int:
+    return width if not multiple else math.ceil(width / multiple) * multiple
+
+
+def expand_per_turn(batch: dict, pad_token_id: int, pad_to_multiple_of: int | None = None) -> dict:
+    """One row per assistant turn from TRL's generation batch of episodes (see the module docstring).
+
+    Args:
+        batch (`dict`): the output of `GRPOTrainer._generate_and_score_completions`: `prompt_ids`/`prompt_mask`
+            `(B, P)` left-padded, `completion_ids`/`completion_mask`/`tool_mask` `(B, C)` right-padded, `advantages`
+            `(B,)`, `num_items_in_batch` (0-d), and optionally the keys of [`PER_TOKEN_KEYS`] `(B, C)` and
+            `importance_sampling_ratio` `(B, C)` or `(B, 1)`.
+        pad_token_id (`int`): the padding id of the new `prompt_ids` and `completion_ids`.
+        pad_to_multiple_of (`int`, *optional*): pad both widths to a multiple of it, as TRL's `pad_to_multiple_of`.
+
+    Returns:
+        `dict`: the same keys, `R` rows (one per turn, episode by episode, turn by turn): `prompt_ids`/`prompt_mask`
+        `(R, P')` left-padded, `completion_ids` `(R, C')` right-padded, `completion_mask` ones on the turn,
+        `tool_mask` ones, per-token tensors `(R, C')` (zero-padded), per-episode tensors repeated, 0-d ones kept.
+    """
+    if batch.get("tool_mask") is None:
+        raise ValueError(f"the generation batch has no `tool_mask`. {_HOW_TO_GET_TOOL_MASK}")
+    vision = [key for key in VISION_KEYS if batch.get(key) is not None]
+    if vision:
+        raise ValueError(f"`dta_sample_layout='per_turn'` supports text-only batches; this one carries {vision}. "
+                         "Use `dta_sample_layout='episode'`.")
+    known = {*TOKEN_KEYS, *PER_TOKEN_KEYS, *PER_EPISODE_OR_TOKEN_KEYS, *SCALAR_KEYS}
+    unknown = sorted(key for key, value in batch.items() if key not in known and value is not None)
+    if unknown:
+        raise ValueError(f"`dta_sample_layout='per_turn'` does not know how to cut {unknown} into turns; it handles "
+                         f"{sorted(known)}. Use `dta_sample_layout='episode'` with this trainer.")
+    prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]  # (B, P)
+    completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]  # (B, C)
+    n_episodes, width = completion_ids.shape
+    spans = turn_spans(completion_mask * batch["tool_mask"])
+    episode = torch.tensor([b for b, turns in enumerate(spans) for _ in turns], dtype=torch.long)  # (R,)
+    turns = [turn for row in spans for turn in row]
+    prompts = [torch.cat([prompt_ids[b][prompt_mask[b].bool()], completion_ids[b, :start]])
+               for b, row in enumerate(spans) for start, _ in row]
+    prompt_width = _padded_width(max((len(p) for p in prompts), default=0), pad_to_multiple_of)
+    turn_width = _padded_width(max((end - start for start, end in turns), default=0), pad_to_multiple_of)
+    rows, device = len(turns), completion_ids.device
+
+    out = {
+        "prompt_ids": torch.full((rows, prompt_width), pad_token_id, dtype=prompt_ids.dtype, device=device),
+        "prompt_mask": torch.zeros((rows, prompt_width), dtype=prompt_mask.dtype, device=device),
+        "completion_ids": torch.full((rows, turn_width), pad_token_id, dtype=completion_ids.dtype, device=device),
+        "completion_mask": torch.zeros((rows, turn_width), dtype=completion_mask.dtype, device=device),
+        "tool_mask": torch.ones((rows, turn_width), dtype=batch["tool_mask"].dtype, device=device),
+    }
+    per_token = {key: batch[key] for key in PER_TOKEN_KEYS if batch.get(key) is not None}
+    for key in PER_EPISODE_OR_TOKEN_KEYS:
+        value = batch.get(key)
+        if value is None:
+            continue
+        if value.dim() == 1 or (value.dim() == 2 and value.size(1) == 1):
+            out[key] = value[episode.to(value.device)]  # the episode's value on each of its turns
+        elif value.dim() == 2 and value.size(1) == width:
+            per_token[key] = value
+        else:
+            raise ValueError(f"`{key}` has shape {tuple(value.shape)}; expected ({n_episodes},), ({n_episodes}, 1) "
+                             f"or ({n_episodes}, {width}).")
+    for key, value in per_token.items():
+        out[key] = value.new_zeros((rows, turn_width))
+    for r, (b, (start, end), prompt) in enumerate(zip(episode.tolist(), turns, prompts)):
+        out["prompt_ids"][r, prompt_width - len(prompt):] = prompt
+        out["prompt_mask"][r, prompt_width - len(prompt):] = 1
+        out["completion_ids"][r, :end - start] = completion_ids[b, start:end]
+        out["completion_mask"][r, :end - start] = 1
+        for key, value in per_token.items():
+            out[key][r, :end - start] = value[b, start:end]
+    for key in SCALAR_KEYS:
+        if batch.get(key) is not None:
+            out[key] = batch[key]
+    return out
+
+
+def _trim(batch: dict, pad_to_multiple_of: int | None) -> dict:
+    """Drop the prompt columns no row uses (left) and the completion columns no row uses (right)."""
+    width = batch["completion_ids"].size(1)
+    prompt_width = min(_padded_width(int(batch["prompt_mask"].sum(1).max()), pad_to_multiple_of),
+                       batch["prompt_ids"].size(1))
+    turn_width = min(_padded_width(int(batch["completion_mask"].sum(1).max()), pad_to_multiple_of), width)
+    out = {}
+    for key, value in batch.items():
+        if key in ("prompt_ids", "prompt_mask"):
+            out[key] = value[:, value.size(1) - prompt_width:]
+        elif isinstance(value, torch.Tensor) and value.dim() == 2 and value.size(1) == width:
+            out[key] = value[:, :turn_width]  # completion columns; a (rows, 1) value when width == 1 is kept whole
+        else:
+            out[key] = value
+    return out
+
+
+def split_rows(batch: dict, num_chunks: int, pad_to_multiple_of: int | None = None) -> list[dict]:
+    """Cut a batch of per-turn rows into `num_chunks` micro-batches, keeping every row.
+
+    Unlike TRL's `split_tensor_dict`, which cuts `rows // num_chunks` rows per chunk and drops the rest, chunk `k` gets
+    rows `[sum(sizes[:k]), sum(sizes[:k + 1]))` with `sizes[k] = rows // num_chunks + (k < rows % num_chunks)`. Each
+    chunk is trimmed to the widths its own rows need.
+
+    Args:
+        batch (`dict`): per-turn rows (the output of [`expand_per_turn`], shuffled or not).
+        num_chunks (`int`): micro-batches, TRL's `steps_per_generation`.
+        pad_to_multiple_of (`int`, *optional*): keep both widths multiples of it.
+
+    Returns:
+        `list[dict]`: `num_chunks` micro-batches; 0-d tensors (`num_items_in_batch`) are shared.
+    """
+    num_chunks = check_int("num_chunks", num_chunks, minimum=1)
+    rows = num_rows(batch)
+    if rows < num_chunks:
+        raise ValueError(
+            f"the per-turn layout has {rows} rows on this process, fewer than `steps_per_generation={num_chunks}` "
+            "micro-batches; every process needs at least one row per micro-batch. Lower `steps_per_generation` (or "
+            "`gradient_accumulation_steps`), raise `per_device_train_batch_size`, or check the rollouts (an episode "
+            "whose completion is masked, e.g. by `mask_truncated_completions`, gives no row)."
+        )
+    base, extra = divmod(rows, num_chunks)
+    chunks, start = [], 0
+    for k in range(num_chunks):
+        size = base + (k < extra)
+        chunk = {key: value[start:start + size] if isinstance(value, torch.Tensor) and value.dim() > 0 else value
+                 for key, value in batch.items()}
+        chunks.append(_trim(chunk, pad_to_multiple_of))
+        start += size
+    return chunks
+
+
+def per_turn_micro_batches(batch: dict, num_chunks: int, pad_token_id: int,
+                           pad_to_multiple_of: int | None = None) -> list[dict]:
+    """A process's generation batch of episodes -> its `num_chunks` per-turn micro-batches.
+
+    The episodes are expanded into turn rows ([`expand_per_turn`]), the rows shuffled with TRL's
+    `shuffle_sequence_dict` (the draw TRL makes for its episode rows) and split with [`split_rows`].
+    """
+    from trl.trainer.utils import shuffle_sequence_dict
+
+    rows = shuffle_sequence_dict(expand_per_turn(batch, pad_token_id, pad_to_multiple_of))
+    return split_rows(rows, num_chunks, pad_to_multiple_of)
