@@ -15,10 +15,12 @@ forked process so that its peak memory is its own. Workloads:
 python -m benchmarks.bench_engine                    # CPU, scaled workloads (see --scale), ~10-15 min on 2 cores
 python -m benchmarks.bench_engine --quick            # the quick shape and sizes of `benchmarks.run --quick`
 python -m benchmarks.bench_engine --device cuda --dtype bf16 --model-shape qwen3-1.7b --scale 1
+python -m benchmarks.bench_engine --prefix-memory    # issue 11: prompt 4096, 4/32/128 siblings, dta-sdpa vs dta
 ```
 
-Writes `benchmarks/results/engine[-<tag>].csv` and `.png`. The general suite (all workloads, dense+ckpt) is
-`benchmarks/run.py`; this module also defines the providers that it uses.
+Writes `benchmarks/results/engine[-<tag>].csv` and `.png` (`prefix-memory[-<tag>]` with `--prefix-memory`). The
+general suite (all workloads, dense+ckpt) is `benchmarks/run.py`; this module also defines the providers that it
+uses.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -68,6 +71,7 @@ class MethodConfig:
         dta_max_batch_tokens (`int`): DTA sibling-batch budget (padded tokens per forward).
         dta_max_graph_tokens (`int`, *optional*): DTA kept-graph budget (None = keep every graph) for `dta`;
             `dta-lowmem` uses `dta_lowmem_graph_tokens`.
+        dta_attn_backend (`str`): attention backend of `dta` and `dta-lowmem` (`"auto"`: the engine's default).
     """
 
     micro_batch_size: int = field(default=1, metadata={"help": "Rows per micro-batch of `dense` and `dense+ckpt`."})
@@ -80,10 +84,12 @@ class MethodConfig:
     dta_max_pack_tokens: int | None = field(
         default=None, metadata={"help": "DTA packed-subtree budget (None: the engine's default)."}
     )
+    dta_attn_backend: str = field(default="auto", metadata={
+        "help": "Attention backend of `dta` and `dta-lowmem` (`dta-<backend>` methods name theirs)."})
 
-    def engine_kwargs(self, max_graph_tokens: int | None) -> dict:
+    def engine_kwargs(self, max_graph_tokens: int | None, attn_backend: str | None = None) -> dict:
         kwargs = dict(max_batch_tokens=self.dta_max_batch_tokens, max_graph_tokens=max_graph_tokens,
-                      block_size=self.dta_block_size)
+                      block_size=self.dta_block_size, attn_backend=attn_backend or self.dta_attn_backend)
         if self.dta_max_pack_tokens is not None:
             kwargs["max_pack_tokens"] = self.dta_max_pack_tokens
         return kwargs
@@ -103,6 +109,13 @@ PROVIDERS: dict[str, Callable] = {
     "dta": lambda model, cfg: DTAProvider(model, **cfg.engine_kwargs(cfg.dta_max_graph_tokens)),
     "dta-lowmem": lambda model, cfg: DTAProvider(model, **cfg.engine_kwargs(cfg.dta_lowmem_graph_tokens)),
 }
+# `dta` on one named attention backend (`dta-sdpa`: the concatenating reference, the engine before issue 11).
+ATTN_BACKENDS = ("sdpa", "torch", "flash", "triton")
+PROVIDERS.update({
+    f"dta-{name}": (lambda name: lambda model, cfg: DTAProvider(
+        model, **cfg.engine_kwargs(cfg.dta_max_graph_tokens, attn_backend=name)))(name)
+    for name in ATTN_BACKENDS
+})
 
 
 class MethodRun:
@@ -298,15 +311,64 @@ def engine_workloads(scale_grpo: float, scale_multi_turn: float, no_sharing: tup
     ]
 
 
+def prefix_memory(siblings=(4, 32, 128), methods=("dta-sdpa", "dta"), shape: str = "bench-cpu-quick",
+                  device: str = "cpu", dtype: str = "fp32", prompt: int = 4096, completion: int = 32,
+                  rounds: int = 2, threads: int | None = 1) -> list[dict]:
+    """The prefix-memory case of issue 11: one `prompt`-token prompt, `siblings` completions of `completion` tokens,
+    `forward_backward` (+ AdamW step) in a fresh process per run; peak memory above the model and optimizer.
+
+    The concatenating attention (`dta-sdpa`) holds one copy of the prompt's keys/values per sibling in every layer,
+    the two-part backends one in all; so the peak must grow with the siblings' own tokens only (target: 32 siblings
+    within 1.5x of 4). Rows as `run_grid`'s, plus `mem_vs_first` (peak over the same method's at the fewest
+    siblings)."""
+    vocab = get_model_shape(shape).vocab_size
+    grid = [workloads.grpo(prompt, n, completion, vocab_size=vocab) for n in siblings]
+    rows = run_grid(grid, list(methods), shape, device, dtype, MethodConfig(), rounds=rounds, threads=threads)
+    for row in rows:
+        first = next(r for r in rows if r["method"] == row["method"])
+        if row.get("peak_mem_mb") and first.get("peak_mem_mb"):
+            row["mem_vs_first"] = row["peak_mem_mb"] / first["peak_mem_mb"]
+    return rows
+
+
+def plot_prefix_memory(rows: list[dict], png_path) -> Path:
+    """Peak memory above the model against the number of siblings, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        points = [(r["n_sequences"], r["peak_mem_mb"]) for r in rows if r["method"] == method and r.get("peak_mem_mb")]
+        ax.plot(*zip(*points), marker="o", label=method)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("siblings (completions of the one prompt)")
+    ax.set_ylabel("peak memory above the model (MB)")
+    ax.set_title(f"prefix memory: {rows[0]['model_shape']}, {rows[0]['device']}, {rows[0]['dtype']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    return Path(png_path)
+
+
+PREFIX_MEMORY_COLUMNS = ["workload", "method", "n_sequences", "peak_mem_mb", "mem_vs_first", "step_s", "loadavg",
+                         "error"]
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="quick model and sizes (as benchmarks.run --quick)")
+    p.add_argument("--prefix-memory", action="store_true",
+                   help="issue 11's case instead: prompt 4096, 4 / 32 / 128 completions of 32, `--methods` default "
+                        "dta-sdpa,dta, `bench-cpu-quick` shape unless --model-shape")
     p.add_argument("--model-shape", default=None, help="bench-cpu (default), bench-cpu-quick with --quick, ...")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--scale", type=float, default=None,
                    help="length scale of all workloads (default: 0.5 GRPO / 0.25 multi-turn on CPU, 1 on GPU)")
-    p.add_argument("--methods", default="dense,dense-mb8,sparse,dta")
+    p.add_argument("--methods", default=None, help="comma-separated (default: dense,dense-mb8,sparse,dta)")
     p.add_argument("--micro-batch-size", type=int, default=1, help="rows per micro-batch of `dense` and `dense+ckpt`")
     p.add_argument("--rounds", type=int, default=3, help="timed steps per method, interleaved (best kept)")
     p.add_argument("--tag", default="")
@@ -316,6 +378,15 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
 
     cpu = args.device == "cpu"
+    if args.prefix_memory:
+        methods = (args.methods or "dta-sdpa,dta").split(",")
+        rows = prefix_memory(methods=methods, shape=args.model_shape or "bench-cpu-quick", device=args.device,
+                             dtype=args.dtype, rounds=args.rounds, threads=args.threads if cpu else None)
+        name = "prefix-memory" + (f"-{args.tag}" if args.tag else "")
+        path = common.write_csv(rows, f"benchmarks/results/{name}.csv")
+        print(common.markdown_table(rows, PREFIX_MEMORY_COLUMNS))
+        print(f"\nwrote {path} and {plot_prefix_memory(rows, path.with_suffix('.png'))}")
+        return
     shape = args.model_shape or ("bench-cpu-quick" if args.quick else "bench-cpu")
     vocab = get_model_shape(shape).vocab_size
     if args.quick:
@@ -327,7 +398,8 @@ def main(argv=None) -> None:
     else:
         grid = engine_workloads(1.0, 1.0, (16, 2048), vocab)
     cfg = MethodConfig(micro_batch_size=args.micro_batch_size)
-    rows = run_grid(grid, args.methods.split(","), shape, args.device, args.dtype, cfg, rounds=args.rounds,
+    methods = (args.methods or "dense,dense-mb8,sparse,dta").split(",")
+    rows = run_grid(grid, methods, shape, args.device, args.dtype, cfg, rounds=args.rounds,
                     isolate=not args.no_isolate, threads=args.threads if cpu else None)
     name = "engine" + ("-quick" if args.quick else "") + (f"-{args.tag}" if args.tag else "")
     path = common.write_csv(rows, f"benchmarks/results/{name}.csv")

@@ -4,13 +4,16 @@
 python -m benchmarks.run --quick        # < 10 min on a 2-core CPU: quick model (hidden 256, 4 layers), quick sizes
 python -m benchmarks.run --full         # bench-cpu model (hidden 512, 8 layers), full sizes (long on a CPU)
 python -m benchmarks.run --full --device cuda --dtype bf16 --model-shape qwen3-1.7b
+python -m benchmarks.run --quick --methods dense,dense-mb8,dta-sdpa,dta   # attention backends side by side
 python -m benchmarks.run --plot benchmarks/results/quick.csv   # redraw a chart from a CSV
 ```
 
 Methods (see `bench_engine.PROVIDERS`): `dense` (TRL's GRPO path: padded micro-batches, fused LM head; one row
 per micro-batch unless `--micro-batch-size`), `dense-mb8` (TRL's default micro-batch of 8 padded rows), `dense+ckpt`
 (with HF gradient checkpointing), `sparse` (packed tree mask, `baselines/sparse.py`), `dta`
-(`DTAEngine.forward_backward`, every graph kept) and `dta-lowmem` (`max_graph_tokens` budget: recompute). A step is
+(`DTAEngine.forward_backward`, every graph kept, `--dta-attn-backend`: the engine's default `auto`), `dta-lowmem`
+(`max_graph_tokens` budget: recompute) and `dta-<backend>` (`dta` on one attention backend: `dta-sdpa` is the
+concatenating reference, the engine before issue 11; `dta-torch`, `dta-flash`, `dta-triton`). A step is
 forward + backward + AdamW step; tokens/s counts raw rollout tokens (`n_tokens`), the same for every method.
 Speed-ups and fractions of ideal are against the faster of `dense` and `dense-mb8` on each workload (`dense_ref`),
 memory ratios against the leaner of them (`common.fill_ratios`).
@@ -27,6 +30,7 @@ import time
 from pathlib import Path
 
 from trl_dta.flops import get_model_shape
+from trl_dta.kernels import BACKENDS
 
 from . import common, workloads
 from .bench_engine import PROVIDERS, MethodConfig, run_grid
@@ -89,6 +93,8 @@ def main(argv=None) -> None:
     p.add_argument("--dta-max-batch-tokens", type=int, default=8192)
     p.add_argument("--dta-lowmem-graph-tokens", type=int, default=1024)
     p.add_argument("--dta-max-pack-tokens", type=int, default=None, help="engine default when omitted")
+    p.add_argument("--dta-attn-backend", default="auto", choices=list(BACKENDS),
+                   help="attention backend of `dta` and `dta-lowmem` (`dta-<backend>` methods name their own)")
     p.add_argument("--rounds", type=int, default=2,
                    help="timed steps per method (interleaved across methods on CPU); the fastest is kept")
     p.add_argument("--threads", type=int, default=None,
@@ -117,6 +123,7 @@ def main(argv=None) -> None:
         dta_max_batch_tokens=args.dta_max_batch_tokens,
         dta_lowmem_graph_tokens=args.dta_lowmem_graph_tokens,
         dta_max_pack_tokens=args.dta_max_pack_tokens,
+        dta_attn_backend=args.dta_attn_backend,
     )
     name = args.name or ("full" if full else "quick") + ("" if cpu else f"-{args.device}-{args.dtype}")
     start = time.perf_counter()

@@ -1,17 +1,27 @@
-"""`attention.py`: the mask builders against brute-force constructions from explicit positions, and `dta_attention`
-against a plain softmax over `[path keys ; new keys]` (GQA, sliding windows, soft-capping, padded rows), outputs
-and gradients, float64."""
+"""`attention.py`: `dta_attention` on every backend that runs here against a plain softmax over `[path keys ; new
+keys]` (GQA, sliding windows, soft-capping, padded rows, packed subtree rows), outputs and gradients, float64; and the
+reference backend's masks against brute-force constructions from explicit positions."""
 
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
 
 from reference import max_rel_err
-from trl_dta.attention import AttentionContext, _mask, _packed_mask, dta_attention
+from trl_dta.attention import AttentionContext, dta_attention
+from trl_dta.kernels import available_backends, key_end_from_row_mask
+from trl_dta.kernels.sdpa import _mask
 from trl_dta.kv_stack import Frame, KVStack
+
+if not torch.cuda.is_available():  # the Triton kernels run in the interpreter (read when they are first imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+BACKENDS = [pytest.param(name, marks=pytest.mark.skipif(name not in available_backends("cpu"),
+                                                        reason=f"{name} does not run here"))
+            for name in ("sdpa", "torch", "triton")]
 
 HEAD_DIM = 8
 
@@ -30,11 +40,14 @@ def brute_causal(q_len: int, prefix_len: int, window: int | None) -> torch.Tenso
 @pytest.mark.parametrize("prefix_len", [0, 2, 7])
 @pytest.mark.parametrize("q_len", [1, 3, 5])
 def test_bottom_right_causal_mask(q_len, prefix_len, window):
-    assert torch.equal(_mask(q_len, prefix_len, window, "cpu"), brute_causal(q_len, prefix_len, window))
+    """The reference backend's mask for causal rows continuing the path."""
+    got = _mask(q_len, prefix_len, None, None, window, "cpu")
+    assert torch.equal(got[0, 0], brute_causal(q_len, prefix_len, window))
 
 
 def test_mask_drawing_in_the_module_docstring():
-    assert _mask(3, 2, None, "cpu").int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert _mask(3, 2, None, None, None, "cpu")[0, 0].int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0],
+                                                                        [1, 1, 1, 1, 1]]
 
 
 def packed_row(parents: list[int], prefix_len: int, width: int):
@@ -64,11 +77,12 @@ ROWS = ([-1, 0, 1, 2, 3, 2], [-1, 0, 1, 2])
 @pytest.mark.parametrize("window", [None, 1, 2, 4])
 @pytest.mark.parametrize("prefix_len", [0, 3])
 def test_packed_mask(prefix_len, window):
+    """The reference backend's mask for packed rows, from the rows' `key_end` (exactly their tree mask)."""
     width = max(len(r) for r in ROWS) + 1  # one padding column at least
     layouts = [packed_row(r, prefix_len, width) for r in ROWS]
     positions = torch.stack([p for p, _, _ in layouts])
-    row_mask = torch.stack([m for _, m, _ in layouts])
-    got = _packed_mask(row_mask, positions, prefix_len, window)
+    key_end = key_end_from_row_mask(torch.stack([m for _, m, _ in layouts]))
+    got = _mask(width, prefix_len, positions, key_end, window, "cpu")
     assert got.shape == (len(ROWS), 1, width, prefix_len + width)
     for b, (pos, _, full) in enumerate(layouts):
         k_pos = torch.cat([torch.arange(prefix_len), pos])
@@ -139,14 +153,15 @@ CASES = {
 
 @pytest.mark.parametrize("prefix_len", [0, 5])
 @pytest.mark.parametrize("case", list(CASES))
-def test_dta_attention_matches_softmax_over_path_and_new_keys(case, prefix_len):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dta_attention_matches_softmax_over_path_and_new_keys(backend, case, prefix_len):
     """Batch of 2 rows on one path: row 1 has 6 real tokens, row 0 has 4 and is right-padded; each real query's output
     (and every gradient reaching real tokens and the path) equals plain attention over the row alone."""
     kw = CASES[case]
     heads, kv_heads, window, softcap = kw["heads"], kw["kv_heads"], kw.get("window"), kw.get("softcap")
     length, real = 6, [4, 6]
     q, k, v, frames = tensors(2, heads, kv_heads, length, prefix_len)
-    ctx = AttentionContext(stack_of(frames))
+    ctx = AttentionContext(stack_of(frames), backend=backend)
     out, weights = dta_attention(Layer(), q, k, v, None, scaling=0.3, sliding_window=window, softcap=softcap,
                                  dta_ctx=ctx)
     assert weights is None and out.shape == (2, length, heads, HEAD_DIM)
@@ -169,14 +184,15 @@ def test_dta_attention_matches_softmax_over_path_and_new_keys(case, prefix_len):
         assert max_rel_err(a, w) <= 1e-12, name
 
 
-def test_packed_rows_match_softmax_over_ancestors():
-    """Packed subtree rows with a row mask (and a window): each token attends to the path and its ancestors-or-self."""
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_rows_match_softmax_over_ancestors(backend):
+    """Packed subtree rows (`key_end`, and a window): each token attends to the path and its ancestors-or-self."""
     prefix_len, window, width = 3, 4, 7
     layouts = [packed_row(r, prefix_len, width) for r in ROWS]
     positions = torch.stack([p for p, _, _ in layouts])
-    row_mask = torch.stack([m for _, m, _ in layouts])
+    key_end = key_end_from_row_mask(torch.stack([m for _, m, _ in layouts]))
     q, k, v, frames = tensors(2, 4, 2, width, prefix_len, seed=3)
-    ctx = AttentionContext(stack_of(frames), row_mask=row_mask, positions=positions)
+    ctx = AttentionContext(stack_of(frames), positions=positions, key_end=key_end, backend=backend)
     out, _ = dta_attention(Layer(), q, k, v, None, scaling=0.4, sliding_window=window, dta_ctx=ctx)
     path_k, path_v = torch.cat([f[0] for f in frames], 2)[0], torch.cat([f[1] for f in frames], 2)[0]
     for b, (pos, _, full) in enumerate(layouts):

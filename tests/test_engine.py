@@ -1,6 +1,9 @@
-"""DTAEngine against the per-sequence dense oracle: log-probs, entropies, loss and every parameter gradient."""
+"""DTAEngine against the per-sequence dense oracle: log-probs, entropies, loss and every parameter gradient, on the
+default attention backend and on each backend that runs here ("triton" under `TRITON_INTERPRET=1`)."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -10,6 +13,10 @@ from hypothesis import strategies as st
 from conftest import FAMILIES, FLOAT32_ONLY, VOCAB, make_model, shared_batch
 from reference import compare_grads, compare_lists, dense_forward_backward, grads_of
 from trl_dta import DTAEngine, PrefixTree
+from trl_dta.kernels import available_backends
+
+if not torch.cuda.is_available():  # the Triton kernels run in the interpreter (read when they are first imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
@@ -117,7 +124,8 @@ def test_lora_only_adapter_grads():
     assert out.stats["compression_ratio"] > 1.5
 
 
-def test_bf16_no_worse_than_dense_bf16():
+@pytest.mark.parametrize("backend", ["auto", "sdpa"])
+def test_bf16_no_worse_than_dense_bf16(backend):
     """Judged against the float64 oracle: DTA's bf16 error must not exceed the dense bf16 path's error."""
     seqs = shared_batch(6)
     ref = make_model("qwen2", torch.float64, exact_norms=False)
@@ -129,13 +137,84 @@ def test_bf16_no_worse_than_dense_bf16():
     _, lp_dense, _ = dense_forward_backward(model, seqs, loss_fn)
     g_dense = grads_of(model)
     model.zero_grad(set_to_none=True)
-    out = DTAEngine(model).forward_backward(seqs, loss_fn)
+    out = DTAEngine(model, attn_backend=backend).forward_backward(seqs, loss_fn)
     g_dta = grads_of(model)
     err_dense_lp, err_dta_lp = compare_lists(lp_dense, lp64)[0], compare_lists(out.logps, lp64)[0]
     err_dense_g = compare_grads({n: g.double() for n, g in g_dense.items()}, g64)[0]
     err_dta_g = compare_grads({n: g.double() for n, g in g_dta.items()}, g64)[0]
     assert err_dta_lp <= err_dense_lp, f"bf16 log-probs: DTA {err_dta_lp:.3g} > dense {err_dense_lp:.3g}"
     assert err_dta_g <= err_dense_g, f"bf16 gradients: DTA {err_dta_g:.3g} > dense {err_dense_g:.3g}"
+
+
+# ---------------------------------------------------------------------------------------------- attention backends
+
+
+def _backend(name):
+    return pytest.param(name, marks=pytest.mark.skipif(name not in available_backends("cpu"),
+                                                       reason=f"{name} does not run here"))
+
+
+BACKENDS = [_backend(name) for name in ("sdpa", "torch", "triton")]
+
+# name -> (family, dtype, batch, engine kwargs): packed subtree rows and walked segments, GQA, sliding windows
+# (Mistral; Gemma 3 mixes windowed and full layers), soft-capping (Gemma 2, float32 only), padded sibling rows,
+# one and many siblings under one prompt.
+BACKEND_CASES = {
+    "gqa-packed": ("qwen2", torch.float64, lambda: shared_batch(11), dict(max_pack_tokens=1024)),
+    "gqa-walk": ("qwen2", torch.float64, lambda: shared_batch(12), dict(max_pack_tokens=0, max_batch_tokens=24)),
+    "window-packed": ("mistral", torch.float64, lambda: shared_batch(13), dict(max_pack_tokens=1024)),
+    "window-mixed-walk": ("gemma3", torch.float64, lambda: shared_batch(14), dict(max_pack_tokens=0)),
+    "softcap-window": ("gemma2", torch.float32, lambda: shared_batch(15), dict(max_pack_tokens=1024)),
+    "one-sibling": ("qwen2", torch.float64, lambda: _grpo_like(1, prompt=20, completion=7), {}),
+    "many-siblings": ("qwen2", torch.float64, lambda: _grpo_like(12, prompt=20, completion=7, ragged=True), {}),
+    "float32": ("qwen3", torch.float32, lambda: shared_batch(16), {}),
+}
+
+
+# The Triton interpreter is slow: at engine level it runs the cases that reach every kernel path (packed rows, window,
+# padded siblings); tests/kernels covers each feature at op level.
+TRITON_CASES = ("gqa-packed", "window-packed", "many-siblings")
+BACKEND_PARAMS = [pytest.param(backend.values[0], case, marks=backend.marks, id=f"{backend.values[0]}-{case}")
+                  for backend in BACKENDS for case in BACKEND_CASES
+                  if backend.values[0] != "triton" or case in TRITON_CASES]
+
+
+@pytest.mark.parametrize(("backend", "case"), BACKEND_PARAMS)
+def test_backend_equals_oracle(backend, case):
+    family, dtype, batch, engine_kw = BACKEND_CASES[case]
+    model = make_model(family, dtype)
+    out = check(model, batch(), TOL[dtype], attn_backend=backend, **engine_kw)
+    assert out.stats["forward_tokens"] == out.stats["tree_tokens"]
+
+
+RANDOM_TREE_PARAMS = [pytest.param(b.values[0], seed, marks=b.marks, id=f"{b.values[0]}-{seed}")
+                      for b in BACKENDS for seed in range(3) if b.values[0] != "triton" or seed == 0]
+
+
+@pytest.mark.parametrize(("backend", "seed"), RANDOM_TREE_PARAMS)
+def test_backend_random_trees_float64(backend, seed):
+    """Random trees (shared stems cut at random depths, random tails) under random budgets, one-layer model."""
+    g = torch.Generator().manual_seed(100 + seed)
+    stems = [torch.randint(3, VOCAB, (int(n),), generator=g) for n in torch.randint(0, 15, (3,), generator=g)]
+    seqs = []
+    for _ in range(int(torch.randint(2, 9, (1,), generator=g))):
+        stem = stems[int(torch.randint(0, 3, (1,), generator=g))]
+        cut = int(torch.randint(0, len(stem) + 1, (1,), generator=g))
+        seqs.append(torch.cat([stem[:cut], torch.randint(3, VOCAB, (int(torch.randint(0, 7, (1,), generator=g)),),
+                                                         generator=g)]))
+    knobs = [dict(max_pack_tokens=1024), dict(max_pack_tokens=12, max_batch_tokens=7),
+             dict(max_pack_tokens=0, max_graph_tokens=5, block_size=3)][seed]
+    check(_HYPO_MODEL(), seqs, TOL[torch.float64], attn_backend=backend, **knobs)
+
+
+def test_backend_choice_is_checked_at_construction():
+    model = make_model("qwen2", torch.float32)
+    assert DTAEngine(model).attn_backend == "auto"
+    with pytest.raises(ValueError, match=r"`attn_backend` must be one of \['auto', 'flash', 'sdpa'"):
+        DTAEngine(model, attn_backend="fast")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"`attn_backend`: .*'flash' cannot run on cpu"):
+            DTAEngine(model, attn_backend="flash")
 
 
 # ---------------------------------------------------------------------------------------------- hypothesis batches
@@ -195,10 +274,12 @@ def _HYPO_MODEL():
 # ---------------------------------------------------------------------------------------------- memory
 
 
-def _grpo_like(n_leaves, prompt=24, completion=6, seed=0):
+def _grpo_like(n_leaves, prompt=24, completion=6, seed=0, ragged=False):
+    """One prompt and `n_leaves` completions (of `completion` tokens, or 1 .. `completion` with `ragged`)."""
     g = torch.Generator().manual_seed(seed)
     p = torch.randint(3, VOCAB, (prompt,), generator=g)
-    return [torch.cat([p, torch.randint(3, VOCAB, (completion,), generator=g)]) for _ in range(n_leaves)]
+    sizes = [1 + i % completion if ragged else completion for i in range(n_leaves)]
+    return [torch.cat([p, torch.randint(3, VOCAB, (n,), generator=g)]) for n in sizes]
 
 
 def test_peak_graph_flat_in_number_of_leaves():

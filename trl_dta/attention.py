@@ -1,23 +1,39 @@
 """The attention function the engine registers with transformers.
 
 While the engine runs, the model's `config._attn_implementation` is switched to `"dta"`, so every attention layer
-calls [`dta_attention`] with the new tokens' query/key/value (after RoPE and any q/k norm). The function appends the
-path's cached keys/values in front of the new ones and attends with a *bottom-right aligned* causal mask: query `i`
-of an `L`-token block on a `P`-token path sees keys `0 .. P + i` (and, under a sliding window `w`, only keys
-`> P + i - w`, the transformers convention). For `P = 2, L = 3`:
+calls [`dta_attention`] with the new tokens' query/key/value (after RoPE and any q/k norm). The new tokens continue
+the path whose keys/values the engine holds on its stack, with a *bottom-right aligned* causal mask: query `i` of an
+`L`-token block on a `P`-token path sees keys `0 .. P + i` (and, under a sliding window `w`, only keys `> P + i - w`,
+the transformers convention). For `P = 2, L = 3`:
 
 ```
-            keys:  p0 p1 n0 n1 n2
-  query n0:         1  1  1  0  0
-  query n1:         1  1  1  1  0
-  query n2:         1  1  1  1  1
+            keys:  p0 p1 | n0 n1 n2
+  query n0:         1  1 |  1  0  0
+  query n1:         1  1 |  1  1  0
+  query n2:         1  1 |  1  1  1
 ```
 
-A batch of sibling leaves shares one path: the path's keys are broadcast over the batch (`expand`, no copy until the
-concatenation). The rows are right-padded; padding sits after every real key of its row, so causal masking already
-hides it from real queries.
+A batch of sibling rows shares one path. The attention itself is [`trl_dta.kernels.two_part_attention`]: the path
+part (every row's queries folded into one sequence over the path, stored once) and the rows' own part, merged by
+log-sum-exp, so the path is never copied per row. Packed subtree rows describe their tree mask by `key_end` (one int
+per key, pre-order intervals, see `kernels.masks`) and their tokens' depths. Rows are right-padded; padding sits
+after every real key of its row, so no real query sees it.
 
-Backends: SDPA (CPU and GPU, GQA through `enable_gqa`), and an explicit softmax for logit soft-capping (Gemma 2).
+Backends (`DTAEngine(attn_backend=...)`), all exact (GQA without repeating keys, sliding windows, soft-capping,
+padding; float64 where the device has it):
+
+| backend  | device                  | path     | kernels                                     | `math` fallback for   |
+|----------|-------------------------|----------|---------------------------------------------|-----------------------|
+| `sdpa`   | CPU, CUDA               | B copies | SDPA over `[path ; own]`, one explicit mask | - (the reference)     |
+| `torch`  | CPU                     | once     | aten CPU flash (float64/32/16, masks)       | soft-capping          |
+| `torch`  | CUDA                    | once     | aten flash (16-bit, causal or no mask)      | fp32, packed, window  |
+| `flash`  | CUDA, flash-attn >= 2.7 | once     | flash-attn (window, soft-cap)               | packed rows (`torch`) |
+| `triton` | CUDA; CPU tests*        | once     | one interval-mask kernel pair, every part   | -                     |
+| `auto`   | `kernels.AUTO`          |          | CPU: `torch`; CUDA: `flash`, else `torch`   |                       |
+
+(*) under `TRITON_INTERPRET=1`: slow, no bf16.
+
+`math` is the plain-PyTorch part kernel: one part's scores materialised transiently, the path still stored once.
 """
 
 from __future__ import annotations
@@ -25,8 +41,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
+from .kernels import two_part_attention
 from .kv_stack import KVStack
 
 ATTN_IMPLEMENTATION = "dta"
@@ -46,58 +62,20 @@ class AttentionContext:
         record (`dict[int, tuple[Tensor, Tensor]]`): filled by the attention layers with the new tokens' keys and values,
             `(batch, n_kv_heads, length, head_dim)`, keyed by layer index.
         calls (`int`): number of attention calls made in this forward (checked against the layer count).
-        row_mask (`torch.BoolTensor` of shape `(batch, length, length)`, *optional*): for packed subtrees, which new
-            tokens each new token sees (the path's keys are visible to every token). None: causal.
-        positions (`torch.LongTensor` of shape `(batch, length)`, *optional*): the new tokens' positions, with
-            `row_mask` (for sliding windows).
+        positions (`torch.LongTensor` of shape `(batch, length)`, *optional*): packed subtree rows only: the new
+            tokens' positions (depths). None: causal rows continuing the path.
+        key_end (`torch.LongTensor` of shape `(batch, length)`, *optional*): packed subtree rows only, with
+            `positions`: key `j` of a row is visible to the row's columns `j .. key_end[j] - 1` (pre-order intervals,
+            see `kernels.masks`; the path's keys are visible to every token).
+        backend (`str`, *optional*, defaults to `"sdpa"`): the attention backend, one of `kernels.BACKENDS`.
     """
 
     stack: KVStack
     record: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     calls: int = 0
-    row_mask: torch.Tensor | None = None
     positions: torch.Tensor | None = None
-
-
-def _mask(q_len: int, prefix_len: int, sliding_window: int | None, device) -> torch.Tensor:
-    """Bottom-right aligned causal mask, `(q_len, prefix_len + q_len)` booleans (True = attend)."""
-    q_pos = torch.arange(q_len, device=device).unsqueeze(1) + prefix_len
-    k_pos = torch.arange(prefix_len + q_len, device=device).unsqueeze(0)
-    mask = k_pos <= q_pos
-    if sliding_window is not None:
-        mask &= k_pos > q_pos - sliding_window
-    return mask
-
-
-def _packed_mask(row_mask: torch.Tensor, positions: torch.Tensor, prefix_len: int,
-                 sliding_window: int | None) -> torch.Tensor:
-    """`(batch, 1, length, prefix_len + length)` mask for packed rows: every path key, then the row's own mask."""
-    batch, length, _ = row_mask.shape
-    prefix = torch.ones(batch, length, prefix_len, dtype=torch.bool, device=row_mask.device)
-    mask = torch.cat([prefix, row_mask], dim=-1)
-    if sliding_window is not None:
-        k_pos = torch.cat([torch.arange(prefix_len, device=positions.device).expand(batch, -1), positions], dim=-1)
-        mask = mask & (k_pos[:, None, :] > positions[:, :, None] - sliding_window)  # keeps the diagonal
-    return mask[:, None]
-
-
-def _sdpa(query, key, value, mask, scaling, is_causal):
-    gqa = query.shape[1] != key.shape[1]
-    return F.scaled_dot_product_attention(
-        query, key, value, attn_mask=None if is_causal else mask, is_causal=is_causal, scale=scaling, enable_gqa=gqa
-    )
-
-
-def _softcapped(query, key, value, mask, scaling, softcap):
-    groups = query.shape[1] // key.shape[1]
-    key = key.repeat_interleave(groups, dim=1)
-    value = value.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
-    scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
-    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
-    probs = torch.softmax(scores, dim=-1, dtype=acc).to(query.dtype)
-    return torch.matmul(probs, value)
+    key_end: torch.Tensor | None = None
+    backend: str = "sdpa"
 
 
 def dta_attention(
@@ -113,7 +91,7 @@ def dta_attention(
     dta_ctx: AttentionContext | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Attention over `[path keys ; new keys]` for the new tokens.
+    """Attention of the new tokens over `[path keys ; their row's keys]`, on the context's backend.
 
     Args:
         query (`torch.Tensor` of shape `(batch, n_heads, length, head_dim)`): new tokens' queries.
@@ -145,28 +123,13 @@ def dta_attention(
     layer = module.layer_idx
     dta_ctx.calls += 1
     dta_ctx.record[layer] = (key, value)
-    batch, _, q_len, _ = query.shape
-    prefix_k, prefix_v = dta_ctx.stack.prefix(layer)
-    prefix_len = 0
-    if prefix_k is not None:
-        prefix_len = prefix_k.shape[2]
-        prefix_k = prefix_k.to(key.dtype).expand(batch, -1, -1, -1)
-        prefix_v = prefix_v.to(value.dtype).expand(batch, -1, -1, -1)
-        key = torch.cat([prefix_k, key], dim=2)
-        value = torch.cat([prefix_v, value], dim=2)
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    if dta_ctx.row_mask is not None:
-        mask = _packed_mask(dta_ctx.row_mask, dta_ctx.positions, prefix_len, sliding_window)
-        windowed = True  # never the plain causal shortcut
-    else:
-        windowed = sliding_window is not None and prefix_len + q_len > sliding_window
-        mask = _mask(q_len, prefix_len, sliding_window if windowed else None, query.device)
-    if softcap is not None:
-        out = _softcapped(query, key, value, mask, scaling, softcap)
-    else:
-        out = _sdpa(query, key, value, mask, scaling, is_causal=prefix_len == 0 and not windowed)
-    return out.transpose(1, 2).contiguous(), None
+    path_key, path_value = dta_ctx.stack.prefix(layer)  # (1, n_kv_heads, path_len, head_dim) or None
+    if path_key is not None:  # float32 gradient sinks of a half-precision model: one cast per layer and forward
+        path_key, path_value = path_key.to(key.dtype), path_value.to(value.dtype)
+    out = two_part_attention(query, path_key, path_value, key, value, scaling=scaling, positions=dta_ctx.positions,
+                             key_end=dta_ctx.key_end, sliding_window=sliding_window, softcap=softcap,
+                             backend=dta_ctx.backend)  # (batch, n_heads, length, head_dim)
+    return out.transpose(1, 2).contiguous(), None  # two-part backends: already (batch, length, ...) in memory
 
 
 _REGISTERED = False

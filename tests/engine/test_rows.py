@@ -1,5 +1,5 @@
 """Packed subtree rows against a brute-force construction from the sequences: token j is visible to token i iff the
-prefix ending at j is a prefix of the prefix ending at i."""
+prefix ending at j is a prefix of the prefix ending at i (the rows' `key_end` intervals drawn as a mask)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trl_dta.engine.rows import pack_rows
+from trl_dta.kernels import PartMask
 from trl_dta.tree import PrefixTree
 
 seq_lists = st.lists(st.lists(st.integers(0, 3), max_size=9), min_size=1, max_size=10)
@@ -46,12 +47,14 @@ def test_packed_rows_match_brute_force(seqs, data):
     assert packed.ids.shape == (len(roots), width)
     assert packed.n_real == sum(size[r] for r in roots)
     multi = any(span[r] > 1 for r in roots)
-    assert (packed.mask is not None) == multi and (packed.positions is not None) == multi
+    assert (packed.key_end is not None) == multi and (packed.positions is not None) == multi
+    if multi:
+        visible = PartMask(causal=True, key_end=packed.key_end).dense(width, width, "cpu")[:, 0]  # (batch, w, w)
     for b, r in enumerate(roots):
         ids, depths, mask = _brute_force(tree, seqs, r, width)
         assert torch.equal(packed.ids[b], ids)
         if multi:
             assert torch.equal(packed.positions[b, : size[r]], depths[: size[r]])
-            assert torch.equal(packed.mask[b], mask), f"row {b} (root {r})"
+            assert torch.equal(visible[b], mask), f"row {b} (root {r})"
         else:  # one segment per row: plain causal
             assert torch.equal(mask[: size[r], : size[r]], torch.ones(size[r], size[r], dtype=torch.bool).tril())

@@ -18,8 +18,8 @@ Three execution modes, chosen per segment by the schedule (`schedule.py`) from t
   (`rows.py`); its sequences are visited and the whole batch back-propagated once.
 
 **Sibling batching**: the small children of a segment (the rows) are sorted by size and grouped into forwards of at
-most `max_batch_tokens` padded tokens, with the path's keys/values broadcast over the rows. A leaf's private suffix is
-thus forwarded exactly once, with grad.
+most `max_batch_tokens` padded tokens; the path's keys/values are stored once and every row attends to them
+(two-part attention, `attention.py`). A leaf's private suffix is thus forwarded exactly once, with grad.
 
 **Fork logits**: the last position of a segment predicts the first token of each child; the hidden state is shared,
 and the log-prob is scored once per scored child. Which positions each segment scores, and how a sequence's log-probs

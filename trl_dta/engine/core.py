@@ -15,16 +15,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import _checks, attention
-from ..lm_head import HeadSpec
+from .. import _checks, attention, kernels
+from ..models import TESTED_MODEL_TYPES, check_model_support
 from ..tree import PrefixTree
 from .plan import ScorePlan
 from .schedule import Budgets
 from .walk import LossFn, TreeWalk
 
-# Model families whose equivalence with the dense path is covered by the test suite. Others run if their attention
-# goes through transformers' AttentionInterface (checked on every forward), with a one-time warning.
-TESTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "gemma3", "phi3"})
 _DROPOUT_FIX = "Set the dropout probabilities to 0 or call model.eval()."
 
 # One engine call per model at a time: id(causal LM) -> ident of the thread running a call on it.
@@ -96,7 +93,14 @@ class DTAEngine:
             tokens at their depths, a tree mask inside the row): one forward and one backward instead of one per
             segment, at the price of attention over the whole row (`O(n^2)` for `n` packed tokens). Leaves are always
             batched. `0` walks every internal segment.
-        lm_head_chunk_size (`int`, *optional*, defaults to `4096`): rows projected through the LM head at once.
+        lm_head_chunk_size (`int`, *optional*, defaults to `4096`): rows projected through the LM head at once, at most
+            `lm_head.MAX_TILE_LOGITS // vocab_size` (a tile holds at most 2**24 logits: 110 rows for a 152k vocabulary).
+        attn_backend (`str`, *optional*, defaults to `"auto"`): the attention kernels (`trl_dta.attention` has the
+            table). `"sdpa"`: the reference, which concatenates the path in front of every row (the path's keys and
+            values held once per row of a batched forward); `"torch"`, `"flash"`, `"triton"`: two-part attention,
+            the path stored once and attended by all rows in one call, merged with the rows' own part by
+            log-sum-exp; `"auto"`: the fastest exact backend on the model's device (CPU: `"torch"`; CUDA: `"flash"`
+            when flash-attn is installed, else `"torch"`). All are exact; an unavailable choice is refused here.
 
     Stats of the last call (`engine.last_stats`, also `DTAOutput.stats`): `sequences`, `tokens`, `tree_tokens`,
     `compression_ratio`, `forward_tokens` (real tokens forwarded, recompute included), `padded_tokens` (with row
@@ -105,12 +109,14 @@ class DTAEngine:
     """
 
     def __init__(self, model, *, block_size: int = 1024, max_batch_tokens: int = 8192,
-                 max_graph_tokens: int | None = None, max_pack_tokens: int = 1024, lm_head_chunk_size: int = 4096):
+                 max_graph_tokens: int | None = None, max_pack_tokens: int = 1024, lm_head_chunk_size: int = 4096,
+                 attn_backend: str = "auto"):
         self.block_size = _checks.check_int("block_size", block_size, minimum=1)
         self.max_batch_tokens = _checks.check_int("max_batch_tokens", max_batch_tokens, minimum=1)
         self.max_graph_tokens = _checks.check_int("max_graph_tokens", max_graph_tokens, minimum=0, allow_none=True)
         self.max_pack_tokens = _checks.check_int("max_pack_tokens", max_pack_tokens, minimum=0)
         self.lm_head_chunk_size = _checks.check_int("lm_head_chunk_size", lm_head_chunk_size, minimum=1)
+        self.attn_backend = _checks.check_choice("attn_backend", attn_backend, kernels.BACKENDS)
         self.model = model
         self.last_stats: dict = {}
         lm = _causal_lm(model)
@@ -118,19 +124,23 @@ class DTAEngine:
             raise TypeError("DTAEngine supports decoder-only causal LMs, not encoder-decoder models.")
         self._config = lm.config.get_text_config()
         self._check_config(self._config)
-        HeadSpec.from_model(lm)  # refuses unsupported logit post-processing before any call
+        with _CALLS_LOCK:
+            _refuse_running_call(_CALLS.get(id(lm)))  # the probe below runs the model, which a running call holds
+        check_model_support(lm)  # rules + a 4-token probe against the dense forward, before any call
+        self._device_backend(lm)  # an unavailable backend is refused here, not at the first call
         self.n_layers = self._config.num_hidden_layers
         attention.register()
 
+    def _device_backend(self, lm) -> str:
+        """The concrete backend `attn_backend` means on the model's device ("auto" resolved)."""
+        device = lm.get_output_embeddings().weight.device
+        try:
+            return kernels.resolve_backend(self.attn_backend, device)
+        except ValueError as exc:
+            raise ValueError(f"`attn_backend`: {exc}") from None
+
     @staticmethod
     def _check_config(config) -> None:
-        model_type = getattr(config, "model_type", "?")
-        if model_type not in TESTED_MODEL_TYPES:
-            _checks.warn_once(
-                f"type:{model_type}",
-                f"DTAEngine: model type '{model_type}' is not among the tested families {sorted(TESTED_MODEL_TYPES)}; "
-                "it runs if its attention layers use transformers' AttentionInterface.",
-            )
         for p in _rope_kinds(config):
             kind = (p or {}).get("rope_type", (p or {}).get("type"))
             if kind == "dynamic":
@@ -203,7 +213,8 @@ class DTAEngine:
         budgets = Budgets(self.block_size, self.max_batch_tokens, self.max_graph_tokens, self.max_pack_tokens,
                           self.lm_head_chunk_size)
         with _engine_call(lm):
-            result = TreeWalk(lm, self.n_layers, tree, plan, budgets, loss_fn, temperature, entropy).run()
+            result = TreeWalk(lm, self.n_layers, tree, plan, budgets, loss_fn, temperature, entropy,
+                              self._device_backend(lm)).run()
         stats = {**result.stats, "sequences": tree.n_sequences, "tokens": tree.n_tokens,
                  "tree_tokens": tree.n_tree_tokens, "compression_ratio": tree.compression_ratio,
                  "seconds": time.perf_counter() - t0}
@@ -266,6 +277,18 @@ def _n_scored(tree: PrefixTree, n_scored) -> list[int]:
     return [min(n, max(length - 1, 0)) for n, length in zip(n_scored, lengths)]
 
 
+def _refuse_running_call(owner: int | None) -> None:
+    """Raise if `owner` (the thread holding the model, or None) runs an engine call on it."""
+    if owner is not None:
+        where = "in this thread (a `loss_fn` that calls the engine?)" if owner == threading.get_ident() else \
+            "in another thread"
+        raise RuntimeError(
+            f"DTAEngine: an engine call on this model is already running {where}. Only one engine call per model "
+            "runs at a time, because the model's attention is switched to DTA for the duration of a call; call the "
+            "engine again after the running call returns, or give each thread its own model."
+        )
+
+
 @contextlib.contextmanager
 def _engine_call(lm):
     """Hold `lm` for one engine call: refuse a second call on it, route its attention through DTA and suspend HF
@@ -275,13 +298,7 @@ def _engine_call(lm):
         owner = _CALLS.get(key)
         if owner is None:
             _CALLS[key] = me
-    if owner is not None:
-        where = "in this thread (a `loss_fn` that calls the engine?)" if owner == me else "in another thread"
-        raise RuntimeError(
-            f"DTAEngine: an engine call on this model is already running {where}. Only one engine call per model "
-            "runs at a time, because the model's attention is switched to DTA for the duration of a call; call the "
-            "engine again after the running call returns, or give each thread its own model."
-        )
+    _refuse_running_call(owner)
     try:
         with _dta_attention(lm):
             yield

@@ -2,9 +2,11 @@ r"""Packed subtree rows: several small subtrees forwarded as the rows of one bat
 
 Each row holds one subtree's segments in pre-order, right-padded to the longest row. A token sits at its depth (its
 position id) and sees the path's keys plus the tokens of its row whose segment is an ancestor-or-self of its own
-segment and that are not deeper. Pre-order numbering makes "ancestor-or-self" an interval test: segment `a` is an
-ancestor-or-self of `b` iff `a <= b < a + subtree_segments[a]`. For a row `[a b | c | d]` with `c` and `d` both
-children of `[a b]` (depths 0 1 | 2 | 2):
+segment and that are not deeper. Pre-order makes every subtree a contiguous range of columns, so the tokens that see
+a key are an interval: a token of segment `g` (first column `c`) is seen by the columns from its own up to
+`key_end = c + subtree_tokens[g]` (exclusive), one int per key instead of a `(width, width)` mask (the attention
+kernels take it as is, see `kernels.masks`). For a row `[a b | c | d]` with `c` and `d` both children of `[a b]`
+(depths 0 1 | 2 | 2; `key_end = [4, 4, 3, 4]`):
 
 ```
             keys:  a  b  c  d
@@ -14,8 +16,9 @@ children of `[a b]` (depths 0 1 | 2 | 2):
   query d:         1  1  0  1
 ```
 
-A row of one segment is plain causal; when every row is a single segment no mask is built at all. Padding sees only
-itself (never an empty softmax row) and no real token sees it.
+A row of one segment is plain causal; when every row is a single segment the rows continue the path causally and
+need neither depths nor `key_end`. A padding column gets `key_end = column + 1`: it sees only itself (never an empty
+softmax row) and no real token sees it.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ class PackedRows:
         n_real (`int`): real (unpadded) tokens.
         positions (`torch.LongTensor` of shape `(batch, width)`, *optional*): depths; None when every row is one
             segment (the rows then continue the path causally).
-        mask (`torch.BoolTensor` of shape `(batch, width, width)`, *optional*): `mask[b, i, j]`: token `i` of row `b`
-            sees token `j`; None with `positions`.
+        key_end (`torch.LongTensor` of shape `(batch, width)`, *optional*): with `positions`: token `j` of row `b` is
+            seen by the columns `j .. key_end[b, j] - 1` of its row (see the module docstring).
     """
 
     ids: torch.Tensor
@@ -47,7 +50,7 @@ class PackedRows:
     rows: list[list[int]]
     n_real: int
     positions: torch.Tensor | None = None
-    mask: torch.Tensor | None = None
+    key_end: torch.Tensor | None = None
 
 
 def pack_rows(tree: PrefixTree, roots: list[int], subtree_segments: list[int], subtree_tokens: list[int],
@@ -73,27 +76,22 @@ def pack_rows(tree: PrefixTree, roots: list[int], subtree_segments: list[int], s
             col += segs[g].length
     packed = PackedRows(ids, columns, rows, sum(subtree_tokens[r] for r in roots))
     if any(len(row) > 1 for row in rows):
-        packed.positions, packed.mask = tree_mask(tree, rows, width, subtree_segments, device)
+        packed.positions, packed.key_end = tree_intervals(tree, rows, width, subtree_tokens, device)
     return packed
 
 
-def tree_mask(tree: PrefixTree, rows: list[list[int]], width: int, subtree_segments: list[int],
-              device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depths `(batch, width)` and visibility `(batch, width, width)` of packed rows (see the module docstring)."""
+def tree_intervals(tree: PrefixTree, rows: list[list[int]], width: int, subtree_tokens: list[int],
+                   device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depths and `key_end`, each `(batch, width)`, of packed rows (see the module docstring)."""
     segs = tree.segments
     batch = len(rows)
-    positions = torch.zeros(batch, width, dtype=torch.long, device=device)  # (batch, width)
-    seg_of = torch.full((batch, width), -1, dtype=torch.long, device=device)  # (batch, width), -1 = padding
+    positions = torch.zeros(batch, width, dtype=torch.long)  # (batch, width)
+    key_end = torch.arange(1, width + 1).repeat(batch, 1)  # (batch, width): padding sees only itself
     for b, row in enumerate(rows):
         col = 0
         for g in row:
             n = segs[g].length
-            positions[b, col : col + n] = torch.arange(segs[g].start, segs[g].end, device=device)
-            seg_of[b, col : col + n] = g
+            positions[b, col : col + n] = torch.arange(segs[g].start, segs[g].end)
+            key_end[b, col : col + n] = col + subtree_tokens[g]
             col += n
-    span = torch.tensor(subtree_segments, device=device)  # (n_segments,)
-    si, sj = seg_of[:, :, None], seg_of[:, None, :]  # (batch, width, 1), (batch, 1, width)
-    ancestor = (sj <= si) & (si < sj + span[sj.clamp(min=0)]) & (sj >= 0)  # (batch, width, width)
-    mask = ancestor & (positions[:, None, :] <= positions[:, :, None])
-    mask |= torch.eye(width, dtype=torch.bool, device=device)  # padding sees itself (never an empty softmax row)
-    return positions, mask
+    return positions.to(device), key_end.to(device)

@@ -65,10 +65,11 @@ class TreeWalk:
         budgets (`Budgets`): the engine's knobs.
         loss_fn (`LossFn`, *optional*): None for a no-grad call.
         temperature (`float`), entropy (`bool`): as in [`DTAEngine.logprobs`].
+        attn_backend (`str`, *optional*, defaults to `"sdpa"`): the attention backend (`attention.py`).
     """
 
     def __init__(self, lm, n_layers: int, tree: PrefixTree, plan: ScorePlan, budgets: Budgets,
-                 loss_fn: LossFn | None, temperature: float, entropy: bool):
+                 loss_fn: LossFn | None, temperature: float, entropy: bool, attn_backend: str = "sdpa"):
         self.lm = lm
         self.backbone = lm.get_decoder()
         self.head = HeadSpec.from_model(lm)
@@ -79,6 +80,7 @@ class TreeWalk:
         self.train = loss_fn is not None
         self.temperature = temperature
         self.want_ent = entropy
+        self.attn_backend = attn_backend
         self.stack = KVStack(n_layers)
         self.tokens = [tree.tokens(s.index).to(self.device) for s in tree.segments]  # per segment (length,)
         self.fork_tokens = [torch.stack([self.tokens[c][0] for c in kids]) if kids else None  # (n_forks,)
@@ -132,15 +134,15 @@ class TreeWalk:
     # ------------------------------------------------------------------ model calls
 
     def _forward(self, ids: torch.Tensor, n_real: int, positions: torch.Tensor | None = None,
-                 row_mask: torch.Tensor | None = None):
+                 key_end: torch.Tensor | None = None):
         """Forward `ids` `(batch, length)` after the current path. Returns hidden `(batch, length, hidden)` and the
         new keys/values per layer, each `(batch, n_kv_heads, length, head_dim)`.
 
-        Without `row_mask` the rows continue the path causally (positions `path_len + arange(length)`). With it
-        (packed rows) `positions` `(batch, length)` are the tokens' depths and `row_mask` `(batch, length, length)`
-        says which tokens of its row each token sees (the path's keys are visible to all)."""
+        Without `key_end` the rows continue the path causally (positions `path_len + arange(length)`). With it
+        (packed rows) `positions` `(batch, length)` are the tokens' depths and `key_end` `(batch, length)` says which
+        tokens of its row see each token (`rows.py`; the path's keys are visible to all)."""
         batch, length = ids.shape
-        ctx = AttentionContext(self.stack, row_mask=row_mask, positions=positions)
+        ctx = AttentionContext(self.stack, positions=positions, key_end=key_end, backend=self.attn_backend)
         if positions is None:
             start = self.stack.length
             positions = torch.arange(start, start + length, device=self.device).expand(batch, length)
@@ -266,7 +268,7 @@ class TreeWalk:
         Every token of the rows is forwarded and back-propagated exactly once."""
         segs = self.tree.segments
         packed = pack_rows(self.tree, roots, self.subtree_segments, self.subtree_tokens, self.tokens, self.device)
-        hidden, _ = self._forward(packed.ids, packed.n_real, packed.positions, packed.mask)
+        hidden, _ = self._forward(packed.ids, packed.n_real, packed.positions, packed.key_end)
         # Score every segment's outputs in the standard layout: internal targets, then forks to scored children.
         rows, cols, targets, sizes = [], [], [], []
         for g, (b, col) in packed.columns.items():
