@@ -429,6 +429,9 @@ def test_construction_errors(tmp_path, model_dir, tokenizer, dataset, case, mess
         ("dta_group_shuffle", "yes", "`dta_group_shuffle` must be True or False"),
         ("dta_balance", None, "`dta_balance` must be True or False"),
         ("dta_cost_model", None, "`dta_cost_model` must be one of"),
+        ("dta_attn_backend", "fast", "`dta_attn_backend` must be one of"),
+        ("dta_attn_backend", None, "`dta_attn_backend` must be one of"),
+        ("dta_sample_layout", "turns", "`dta_sample_layout` must be one of"),
     ],
 )
 def test_config_validation(tmp_path, field, value, message):

@@ -256,7 +256,11 @@ def triton_backward(grad_out, query, key, value, out, lse, aux, mask: PartMask, 
 
 
 def _supports(query, key, mask: PartMask, softcap) -> bool:
-    return query.dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16) and query.shape[-1] <= 128
+    # The interpreter (`TRITON_INTERPRET=1`, CPU) computes with numpy, which has no bfloat16: half precision there gives
+    # garbage, so such parts go to the next kernel of the backend's chain.
+    dtypes = (torch.float64, torch.float32) if os.environ.get("TRITON_INTERPRET") == "1" else \
+        (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+    return query.dtype in dtypes and query.shape[-1] <= 128
 
 
 TRITON = PartKernel("triton", available=lambda device: True, supports=_supports, forward=triton_forward,
