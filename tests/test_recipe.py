@@ -2,37 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from recipe_helpers import CONFIGS, ROOT, load_recipe, run
 
-ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "grpo.py"
-CONFIGS = ROOT / "recipes" / "configs"
 
 
 @pytest.fixture(scope="module")
 def recipe():
-    spec = importlib.util.spec_from_file_location("trl_dta_recipe_grpo", RECIPE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        del sys.modules[spec.name]
-
-
-def _run(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    env.pop("ACCELERATE_USE_CPU", None)
-    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    yield from load_recipe(RECIPE, "trl_dta_recipe_grpo")
 
 
 def _summary(result: subprocess.CompletedProcess) -> dict:
@@ -108,9 +90,9 @@ def test_summary_reads_the_logged_metrics(recipe):
 # ------------------------------------------------------------------------------------------------------- real runs
 
 
-def test_default_run(tmp_path):
+def test_defaultrun(tmp_path):
     out = tmp_path / "run"
-    result = _run([sys.executable, str(RECIPE), "--max_steps", "3", "--tiny_num_rows", "64", "--output_dir", str(out)])
+    result = run([sys.executable, str(RECIPE), "--max_steps", "3", "--tiny_num_rows", "64", "--output_dir", str(out)])
     summary = _summary(result)
     assert summary["steps"] == 3 and summary["processes"] == 1
     assert 0.0 <= summary["first"] <= 1.0 and 0.0 <= summary["last"] <= 1.0
@@ -120,9 +102,9 @@ def test_default_run(tmp_path):
     assert (out / "initial_model" / "tokenizer.json").is_file() and (out / "model.safetensors").is_file()
 
 
-def test_lora_config_run(tmp_path):
+def test_lora_configrun(tmp_path):
     out = tmp_path / "lora"
-    result = _run([sys.executable, str(RECIPE), "--config", str(CONFIGS / "lora.yaml"), "--max_steps", "2",
+    result = run([sys.executable, str(RECIPE), "--config", str(CONFIGS / "lora.yaml"), "--max_steps", "2",
                    "--tiny_num_rows", "32", "--output_dir", str(out)])
     summary = _summary(result)
     assert summary["steps"] == 2 and 4.0 < summary["ratio"] < 8.0
@@ -132,7 +114,7 @@ def test_lora_config_run(tmp_path):
 @pytest.mark.distributed
 def test_two_process_cpu_launch(tmp_path):
     """`accelerate_multi_cpu.yaml` really starts two processes in one CPU group, and DTA trains in both."""
-    result = _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+    result = run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                    str(CONFIGS / "accelerate_multi_cpu.yaml"), str(RECIPE), "--config", str(CONFIGS / "default.yaml"),
                    "--max_steps", "2", "--tiny_num_rows", "64", "--output_dir", str(tmp_path / "ddp")], timeout=300)
     summary = _summary(result)

@@ -2,37 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from recipe_helpers import ROOT, load_recipe, run
 
-ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "agent.py"
-CONFIGS = ROOT / "recipes" / "configs"
 
 
 @pytest.fixture(scope="module")
 def recipe():
-    spec = importlib.util.spec_from_file_location("trl_dta_recipe_agent", RECIPE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        del sys.modules[spec.name]
-
-
-def _run(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    env.pop("ACCELERATE_USE_CPU", None)
-    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    yield from load_recipe(RECIPE, "trl_dta_recipe_agent")
 
 
 def _summary(result: subprocess.CompletedProcess) -> dict:
@@ -68,9 +50,9 @@ def test_summary_reads_the_logged_metrics(recipe):
     assert dense["reward_first"] == 0.1 and dense["reward_last"] == 0.2 and dense["compression_ratio"] is None
 
 
-def test_short_run(tmp_path):
+def test_shortrun(tmp_path):
     out = tmp_path / "run"
-    result = _run([sys.executable, str(RECIPE), "--max_steps", "2", "--output_dir", str(out)])
+    result = run([sys.executable, str(RECIPE), "--max_steps", "2", "--output_dir", str(out)])
     summary = _summary(result)
     assert summary["steps"] == 2 and summary["layout"] == "per_turn" and summary["processes"] == 1
     assert 0.0 <= summary["reward_first"] <= 1.0 and 0.0 <= summary["reward_last"] <= 1.0
