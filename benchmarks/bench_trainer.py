@@ -13,11 +13,20 @@ instead of 4x).
 python -m benchmarks.bench_trainer --quick
 python -m benchmarks.bench_trainer --device cuda --dtype bf16 --model-shape qwen3-1.7b
 python -m benchmarks.bench_trainer --compression     # tree compression per micro-batch vs per optimizer step only
+python -m benchmarks.bench_trainer --agent --quick   # multi-turn agent episodes, episode and per-turn layouts
 ```
 
 Methods: `trl` (GRPOTrainer, `gradient_checkpointing=False`), `trl+ckpt` (TRL's default, HF checkpointing), `dta`
 (DTAGRPOTrainer keeping every graph), `dta+ckpt` (`gradient_checkpointing=True`: DTA's block recompute). Writes
 `benchmarks/results/trainer[-quick].csv/.png/.md`.
+
+`--agent`: multi-turn episodes of the offline retail environment (`trl_dta.envs`), played by a scripted agent and
+replayed to `DTAGRPOTrainer` through TRL's `rollout_func` ([`ReplayRollout`]), in both sample layouts
+(`dta_sample_layout="episode"` and `"per_turn"`). Methods per layout: `dense` (`dta_enabled=False`: TRL's dense path
+on the same rows; in the episode layout that is `GRPOTrainer`'s computation) and `dta`. The ideal FLOP ratio and the
+compression are those of the step's forest (all rows of the generation: one generation per optimizer step) over the
+dense run of the same layout; `step_vs_dense_episode` compares step times across layouts. Writes
+`benchmarks/results/trainer-agent[-quick].csv/.png/.md`.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import argparse
 import os
 import tempfile
 import time
+from collections import Counter
 
 import torch
 
@@ -117,11 +127,37 @@ def _trainer_class(method: str):
     return FixedRollouts
 
 
+def step_timer(device: str):
+    """A `TrainerCallback` timing each optimizer step (`.times`, seconds) and the peak memory of the steps after the
+    first (`.memory`, a `common.PeakMemory` reset at the end of the warm-up step, optimizer state allocated)."""
+    from transformers import TrainerCallback
+
+    def sync():
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times: list[float] = []
+            self.memory = common.PeakMemory(device)
+
+        def on_step_begin(self, args, state, control, **kw):
+            sync()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            sync()
+            self.times.append(time.perf_counter() - self.t0)
+            if len(self.times) == 1:
+                self.memory.reset()
+
+    return StepTimer()
+
+
 def measure(workload: workloads.Workload, prompt_len: int, group: int, method: str, shape: str, device: str,
             dtype: str, micro_batch_size: int, steps: int, threads: int | None, seed: int = 0) -> dict:
     """Train `1 + steps` optimizer steps and time the last `steps` (call through `common.run_isolated`)."""
     from datasets import Dataset
-    from transformers import TrainerCallback
 
     from trl_dta.tiny import build_tokenizer
     from trl_dta.trainers.grpo import DTAGRPOConfig
@@ -136,22 +172,7 @@ def measure(workload: workloads.Workload, prompt_len: int, group: int, method: s
     k = n // micro_batch_size
     cls = _trainer_class(method)
     cls.bench_batch = rollout_batch(workload, prompt_len, seed)
-    times: list[float] = []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - self.t0)
-            if len(times) == 1:
-                mem.reset()  # peak memory of the timed steps, optimizer state already allocated
-
-    mem = common.PeakMemory(device)
+    timer = step_timer(device)
     with tempfile.TemporaryDirectory() as out:
         config = DTAGRPOConfig(
             output_dir=out,
@@ -174,10 +195,10 @@ def measure(workload: workloads.Workload, prompt_len: int, group: int, method: s
         )
         prompts = Dataset.from_dict({"prompt": ["x"] * (n // group) * (2 + steps)})
         trainer = cls(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=config,
-                      train_dataset=prompts, processing_class=build_tokenizer(), callbacks=[Timer()])
+                      train_dataset=prompts, processing_class=build_tokenizer(), callbacks=[timer])
         trainer.train()
-        peak = mem.peak_mb()
-    timed = sorted(times[1:])
+        peak = timer.memory.peak_mb()
+    timed = sorted(timer.times[1:])
     tree = workload.tree()
     # a micro-batch is a tree of its own: the ideal ratio is over micro-batches of whole groups (DTA's split)
     seqs = workload.seqs
@@ -203,6 +224,219 @@ def measure(workload: workloads.Workload, prompt_len: int, group: int, method: s
     }
 
 
+# ------------------------------------------------------------------------------------------------ agent workload
+
+AGENT_LAYOUTS = ("episode", "per_turn")
+AGENT_METHODS = ("dense", "dta")
+# tasks per optimizer step, episodes per task (G), policy document in characters (= tokens with the tiny
+# character tokenizer), agent turns per episode, tokens per episode
+AGENT_SIZES = {
+    "quick": {"tasks": 2, "group": 4, "policy_chars": 0, "max_turns": 5, "max_tokens": 2048},
+    "full": {"tasks": 4, "group": 8, "policy_chars": 2048, "max_turns": 8, "max_tokens": 4096},
+}
+# What the scripted agent may ask before acting; the simulated user answers each (`trl_dta.envs.user`).
+_QUESTIONS = ("say may i have your name?", "say what is your zip code?", "say which order is it about?",
+              "say what is the reason for the call?")
+
+
+def agent_script(task, variant: int) -> list[str]:
+    """Turn texts of the scripted agent's `variant`-th episode of a task: it branches at several depths.
+
+    Bit 0 of `variant` picks the first question, bit 1 the second, bit 2 adds a lookup of a wrong order before the
+    task's gold actions; every third variant closes with `say done` instead of the required information (the user
+    then repeats the request until it hangs up or the turn limit ends the call), so rewards differ within a group.
+    """
+    turns = [_QUESTIONS[variant % 2], _QUESTIONS[2 + variant // 2 % 2]]
+    if variant // 4 % 2:
+        turns.append(f"call get-order order=o9{variant}")
+    turns += [action.render() for action in task.gold_actions]
+    turns.append("say done" if variant % 3 == 2 else "say " + " ".join(task.required_info))
+    return turns
+
+
+def agent_episodes(sizes: dict, seed: int = 0):
+    """The `group` scripted episodes of each of `tasks` tasks, played in the real environment (`trl_dta.envs`).
+
+    Returns:
+        `tuple[RetailDomain, tokenizer, list[Episode]]`: episodes task by task, a task's `group` episodes adjacent.
+    """
+    from trl_dta.envs import Generation, RetailDomain, play_episodes
+    from trl_dta.tiny import build_tokenizer
+
+    domain = RetailDomain(seed=seed, policy_chars=sizes["policy_chars"])
+    tokenizer = build_tokenizer()
+    episodes = []
+    for task_id in range(sizes["tasks"]):
+        for variant in range(sizes["group"]):
+            turns = iter(agent_script(domain.task(task_id), variant))
+
+            def generate(prefixes, max_new_tokens, turns=turns):
+                ids = tokenizer(next(turns, "say bye"), add_special_tokens=False)["input_ids"]
+                return [Generation((ids + [tokenizer.eos_token_id])[: max_new_tokens[0]], None)]
+
+            episodes += play_episodes(domain, [task_id], generate, tokenizer, max_turns=sizes["max_turns"],
+                                      max_turn_tokens=64, max_tokens=sizes["max_tokens"])
+    return domain, tokenizer, episodes
+
+
+class ReplayRollout:
+    """TRL's `rollout_func` replaying fixed episodes: the `k`-th copy of a task's prompt in a call gets the task's
+    `k`-th episode (TRL repeats each prompt `num_generations` times). Keys as `trl_dta.envs.AgentRolloutFunc`."""
+
+    def __init__(self, domain, episodes):
+        self.domain = domain
+        self.by_task: dict[int, list] = {}
+        for episode in episodes:
+            self.by_task.setdefault(episode.task_id, []).append(episode)
+
+    def __call__(self, prompts, trainer):
+        seen, episodes = Counter(), []
+        for prompt in prompts:
+            task_id = self.domain.task_id_of(prompt)
+            group = self.by_task[task_id]
+            episodes.append(group[seen[task_id] % len(group)])
+            seen[task_id] += 1
+        return {
+            "prompt_ids": [e.ids[: e.prompt_length] for e in episodes],
+            "completion_ids": [e.ids[e.prompt_length :] for e in episodes],
+            "logprobs": None,
+            "env_mask": [e.env_mask[e.prompt_length :] for e in episodes],
+            "episode_reward": [e.reward.reward for e in episodes],
+        }
+
+
+def agent_forest(episodes, layout: str, shape: str) -> dict:
+    """The step's forest (every row of the generation) in a layout: tokens, tree tokens, compression, ideal ratio."""
+    from trl_dta.envs import layout_sequences
+    from trl_dta.tree import PrefixTree
+
+    seqs = layout_sequences(episodes, layout)
+    tree = PrefixTree.from_sequences(seqs)
+    return {
+        "n_sequences": len(seqs),
+        "n_tokens": tree.n_tokens,
+        "n_tree_tokens": tree.n_tree_tokens,
+        "compression_ratio": tree.compression_ratio,
+        "ideal_ratio": dense_flops(tree.lengths, shape).total / tree_flops(tree, shape).total,
+    }
+
+
+def measure_agent(sizes: dict, layout: str, method: str, shape: str, device: str, dtype: str, steps: int,
+                  threads: int | None, seed: int = 0) -> dict:
+    """Train `1 + steps` optimizer steps of replayed episodes and time the last `steps` (via `common.run_isolated`).
+
+    One optimizer step = one generation of `tasks * group` episodes: `per_device_train_batch_size = group`,
+    `gradient_accumulation_steps = steps_per_generation = tasks`; the dataset holds the `tasks` tasks, so every step
+    trains the same rows (in TRL's shuffled order).
+    """
+    from trl_dta.envs import build_dataset, episode_reward
+    from trl_dta.trainers.grpo import DTAGRPOConfig, DTAGRPOTrainer
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    common.set_threads(threads)
+    domain, tokenizer, episodes = agent_episodes(sizes, seed)
+    model = common.build_model(shape, common.parse_dtype(dtype) if dtype != "bf16" else torch.float32, device,
+                               seed=seed)
+    timer = step_timer(device)
+    with tempfile.TemporaryDirectory() as out:
+        config = DTAGRPOConfig(
+            output_dir=out,
+            per_device_train_batch_size=sizes["group"],
+            gradient_accumulation_steps=sizes["tasks"],
+            steps_per_generation=sizes["tasks"],
+            num_generations=sizes["group"],
+            max_completion_length=64,
+            max_steps=1 + steps,
+            learning_rate=1e-6,
+            gradient_checkpointing=False,  # both methods keep every graph (the fastest setting of each)
+            bf16=dtype == "bf16",
+            use_cpu=device == "cpu",
+            report_to="none",
+            logging_steps=10_000,
+            save_strategy="no",
+            disable_dropout=True,
+            dta_enabled=method == "dta",
+            dta_sample_layout=layout,
+            dta_min_compression=0.0,
+            dataloader_num_workers=0,
+            seed=seed,
+        )
+        trainer = DTAGRPOTrainer(model=model, reward_funcs=episode_reward, args=config,
+                                 train_dataset=build_dataset(domain, sizes["tasks"]), processing_class=tokenizer,
+                                 rollout_func=ReplayRollout(domain, episodes), callbacks=[timer])
+        trainer.train()
+        peak = timer.memory.peak_mb()
+    # the compression of the forests the engine ran (one per optimizer step, averaged over the run), as logged
+    history = trainer.state.log_history
+    forests = [entry["dta/compression_ratio"] for entry in history if "dta/compression_ratio" in entry]
+    # what TRL's dense path runs: the last generation's padded micro-batches, prompt and completion columns
+    padded = sum(batch["prompt_ids"].numel() + batch["completion_ids"].numel() for batch in trainer._buffered_inputs)
+    timed = sorted(timer.times[1:])
+    forest = agent_forest(episodes, layout, shape)
+    return {
+        "workload": f"agent-{layout}",
+        "method": method,
+        **forest,
+        "engine_compression": forests[-1] if forests else None,
+        "padded_vs_tokens": padded / forest["n_tokens"],
+        "turns_per_episode": sum(len(e.turns) for e in episodes) / len(episodes),
+        "reward_mean": sum(e.reward.reward for e in episodes) / len(episodes),
+        "step_s": timed[0],
+        "median_step_s": timed[len(timed) // 2],
+        "tokens_per_s": forest["n_tokens"] / timed[0],
+        "peak_mem_mb": max(peak, 0.0),
+        "model_shape": get_model_shape(shape).name,
+        "device": device,
+        "dtype": dtype,
+        "loadavg": os.getloadavg()[0],
+    }
+
+
+AGENT_COLUMNS = ("workload", "method", "n_sequences", "n_tokens", "n_tree_tokens", "compression_ratio",
+                 "engine_compression", "ideal_ratio", "padded_vs_tokens", "step_s", "speedup_vs_dense",
+                 "fraction_of_ideal", "step_vs_dense_episode", "peak_mem_mb", "mem_vs_dense")
+
+
+def run_agent(args, shape: str, threads: int | None) -> None:
+    """`--agent`: dense and DTA in both layouts; writes `benchmarks/results/trainer-agent[-quick]...`."""
+    sizes = dict(AGENT_SIZES["quick" if args.quick else "full"])
+    sizes.update({k: v for k, v in (("tasks", args.agent_tasks), ("group", args.agent_group),
+                                    ("policy_chars", args.policy_chars)) if v is not None})
+    _, _, episodes = agent_episodes(sizes)
+    turns = [len(e.turns) for e in episodes]
+    common.log(f"== agent: {sizes}; {len(episodes)} episodes, {min(turns)}-{max(turns)} turns, prompt "
+               f"{episodes[0].prompt_length} tokens, episodes {min(len(e.ids) for e in episodes)}-"
+               f"{max(len(e.ids) for e in episodes)} tokens, {len({tuple(e.ids) for e in episodes})} distinct")
+    rows = []
+    for layout in AGENT_LAYOUTS:
+        for method in AGENT_METHODS:
+            try:
+                row = common.run_isolated(measure_agent, sizes, layout, method, shape, args.device, args.dtype,
+                                          args.steps, threads, isolate=not args.no_isolate)
+                common.log(f"   {layout:9s} {method:6s} {row['step_s']:8.2f} s/step compression "
+                           f"{row['compression_ratio']:.2f} ideal {row['ideal_ratio']:.2f} peak "
+                           f"{row['peak_mem_mb']:8.0f} MB")
+            except RuntimeError as e:
+                msg = str(e).strip().splitlines()
+                common.log(f"   {layout:9s} {method:6s} FAILED: {msg[0] if msg else e}\n" + "\n".join(msg[-12:]))
+                row = {"workload": f"agent-{layout}", "method": method, "error": msg[0] if msg else "failed"}
+            rows.append(row)
+    common.fill_ratios(rows)
+    reference = next((r for r in rows if r["workload"] == "agent-episode" and r["method"] == "dense"
+                      and r.get("step_s")), None)
+    for row in rows:  # step times across layouts: the layouts train different row counts over the same episodes
+        row["step_vs_dense_episode"] = reference["step_s"] / row["step_s"] if reference and row.get("step_s") else None
+    name = "trainer-agent" + ("-quick" if args.quick else "") + ("" if args.device == "cpu"
+                                                                  else f"-{args.device}-{args.dtype}")
+    path = common.write_csv(rows, f"benchmarks/results/{name}.csv")
+    common.plot(path)
+    table = common.markdown_table(rows, columns=AGENT_COLUMNS)
+    command = "python -m benchmarks.bench_trainer --agent" + (" --quick" if args.quick else "")
+    path.with_suffix(".md").write_text(f"`{command}`: model {shape}, {args.device}, {args.dtype}, {sizes}\n\n"
+                                       f"{table}\n")
+    print(table)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
@@ -217,6 +451,12 @@ def main(argv=None) -> None:
     p.add_argument("--no-isolate", action="store_true")
     p.add_argument("--compression", action="store_true",
                    help="only print the tree compression per micro-batch vs per optimizer step (no training)")
+    p.add_argument("--agent", action="store_true",
+                   help="multi-turn agent episodes, dense and DTA in the episode and per-turn layouts")
+    p.add_argument("--agent-tasks", type=int, default=None, help="--agent: tasks per optimizer step (preset: 2/4)")
+    p.add_argument("--agent-group", type=int, default=None, help="--agent: episodes per task, G (preset: 4/8)")
+    p.add_argument("--policy-chars", type=int, default=None,
+                   help="--agent: system prompt length in characters = tokens (preset: 0 (~500)/2048)")
     args = p.parse_args(argv)
     if args.compression:
         rows = step_compression()
@@ -226,6 +466,9 @@ def main(argv=None) -> None:
     cpu = args.device == "cpu"
     shape = args.model_shape or ("bench-cpu-quick" if args.quick else "bench-cpu")
     threads = args.threads if args.threads is not None else (1 if cpu else None)
+    if args.agent:
+        run_agent(args, shape, threads)
+        return
     vocab = min(get_model_shape(shape).vocab_size, 32768)
     scale_g, scale_m = (0.25, 0.125) if args.quick else (1.0, 1.0)
     grpo = workloads.grpo(1024, 16, 256, scale=scale_g, vocab_size=vocab)
