@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
-import transformers
+
+# Triton decides when a kernel is defined whether it runs compiled or in the interpreter, so the switch is set here,
+# before any test module imports `trl_dta` (whose engine imports the kernels): on machines without CUDA the Triton
+# kernels run under `TRITON_INTERPRET=1` (CPU, float32/float64).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import transformers  # noqa: E402
 
 VOCAB = 61
 

@@ -5,7 +5,6 @@ reference backend's masks against brute-force constructions from explicit positi
 from __future__ import annotations
 
 import itertools
-import os
 
 import pytest
 import torch
@@ -15,9 +14,6 @@ from trl_dta.attention import AttentionContext, dta_attention
 from trl_dta.kernels import available_backends, key_end_from_row_mask
 from trl_dta.kernels.sdpa import _mask
 from trl_dta.kv_stack import Frame, KVStack
-
-if not torch.cuda.is_available():  # the Triton kernels run in the interpreter (read when they are first imported)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 BACKENDS = [pytest.param(name, marks=pytest.mark.skipif(name not in available_backends("cpu"),
                                                         reason=f"{name} does not run here"))

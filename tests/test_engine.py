@@ -3,7 +3,6 @@ default attention backend and on each backend that runs here ("triton" under `TR
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -14,9 +13,6 @@ from conftest import FAMILIES, FLOAT32_ONLY, VOCAB, make_model, shared_batch
 from reference import compare_grads, compare_lists, dense_forward_backward, grads_of
 from trl_dta import DTAEngine, PrefixTree
 from trl_dta.kernels import available_backends
-
-if not torch.cuda.is_available():  # the Triton kernels run in the interpreter (read when they are first imported)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
