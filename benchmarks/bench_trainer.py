@@ -127,6 +127,21 @@ def _trainer_class(method: str):
     return FixedRollouts
 
 
+def bench_config(out: str, *, micro_batch_size: int, micro_batches: int, group: int, steps: int, dtype: str,
+                 device: str, seed: int, **overrides) -> DTAGRPOConfig:
+    """The config every trainer benchmark uses: one generation per optimizer step (`steps_per_generation` =
+    gradient accumulation = `micro_batches`), one warm-up step plus `steps` timed ones, every batch through DTA when it
+    is enabled (`dta_min_compression=0`), no logging, saving or dropout; `overrides` are the run's own settings."""
+    from trl_dta.trainers.grpo import DTAGRPOConfig
+
+    return DTAGRPOConfig(
+        output_dir=out, per_device_train_batch_size=micro_batch_size, gradient_accumulation_steps=micro_batches,
+        steps_per_generation=micro_batches, num_generations=group, max_steps=1 + steps, learning_rate=1e-6,
+        bf16=dtype == "bf16", use_cpu=device == "cpu", report_to="none", logging_steps=10_000, save_strategy="no",
+        disable_dropout=True, dta_min_compression=0.0, dataloader_num_workers=0, seed=seed, **overrides,
+    )
+
+
 def step_timer(device: str):
     """A `TrainerCallback` timing each optimizer step (`.times`, seconds) and the peak memory of the steps after the
     first (`.memory`, a `common.PeakMemory` reset at the end of the warm-up step, optimizer state allocated)."""
@@ -160,7 +175,6 @@ def measure(workload: workloads.Workload, prompt_len: int, group: int, method: s
     from datasets import Dataset
 
     from trl_dta.tiny import build_tokenizer
-    from trl_dta.trainers.grpo import DTAGRPOConfig
 
     common.set_threads(threads)
     # bf16 runs keep float32 parameters and let the trainers autocast (`bf16=True`), as TRL does by default
@@ -174,25 +188,9 @@ def measure(workload: workloads.Workload, prompt_len: int, group: int, method: s
     cls.bench_batch = rollout_batch(workload, prompt_len, seed)
     timer = step_timer(device)
     with tempfile.TemporaryDirectory() as out:
-        config = DTAGRPOConfig(
-            output_dir=out,
-            per_device_train_batch_size=micro_batch_size,
-            gradient_accumulation_steps=k,
-            steps_per_generation=k,
-            num_generations=group,
-            max_steps=1 + steps,
-            learning_rate=1e-6,
-            gradient_checkpointing=method.endswith("+ckpt"),
-            bf16=dtype == "bf16",
-            use_cpu=device == "cpu",
-            report_to="none",
-            logging_steps=10_000,
-            save_strategy="no",
-            disable_dropout=True,
-            dta_min_compression=0.0,
-            dataloader_num_workers=0,
-            seed=seed,
-        )
+        config = bench_config(out, micro_batch_size=micro_batch_size, micro_batches=k, group=group, steps=steps,
+                              dtype=dtype, device=device, seed=seed,
+                              gradient_checkpointing=method.endswith("+ckpt"))
         prompts = Dataset.from_dict({"prompt": ["x"] * (n // group) * (2 + steps)})
         trainer = cls(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=config,
                       train_dataset=prompts, processing_class=build_tokenizer(), callbacks=[timer])
@@ -330,7 +328,7 @@ def measure_agent(sizes: dict, layout: str, method: str, shape: str, device: str
     trains the same rows (in TRL's shuffled order).
     """
     from trl_dta.envs import build_dataset, episode_reward
-    from trl_dta.trainers.grpo import DTAGRPOConfig, DTAGRPOTrainer
+    from trl_dta.trainers.grpo import DTAGRPOTrainer
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     common.set_threads(threads)
@@ -339,28 +337,10 @@ def measure_agent(sizes: dict, layout: str, method: str, shape: str, device: str
                                seed=seed)
     timer = step_timer(device)
     with tempfile.TemporaryDirectory() as out:
-        config = DTAGRPOConfig(
-            output_dir=out,
-            per_device_train_batch_size=sizes["group"],
-            gradient_accumulation_steps=sizes["tasks"],
-            steps_per_generation=sizes["tasks"],
-            num_generations=sizes["group"],
-            max_completion_length=64,
-            max_steps=1 + steps,
-            learning_rate=1e-6,
-            gradient_checkpointing=False,  # both methods keep every graph (the fastest setting of each)
-            bf16=dtype == "bf16",
-            use_cpu=device == "cpu",
-            report_to="none",
-            logging_steps=10_000,
-            save_strategy="no",
-            disable_dropout=True,
-            dta_enabled=method == "dta",
-            dta_sample_layout=layout,
-            dta_min_compression=0.0,
-            dataloader_num_workers=0,
-            seed=seed,
-        )
+        config = bench_config(out, micro_batch_size=sizes["group"], micro_batches=sizes["tasks"], group=sizes["group"],
+                              steps=steps, dtype=dtype, device=device, seed=seed, max_completion_length=64,
+                              gradient_checkpointing=False,  # both methods keep every graph (the fastest of each)
+                              dta_enabled=method == "dta", dta_sample_layout=layout)
         trainer = DTAGRPOTrainer(model=model, reward_funcs=episode_reward, args=config,
                                  train_dataset=build_dataset(domain, sizes["tasks"]), processing_class=tokenizer,
                                  rollout_func=ReplayRollout(domain, episodes), callbacks=[timer])
