@@ -30,12 +30,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ._checks import check_choice
+from .batch import SAMPLE_LAYOUTS
 
 
 __all__ = ["LAYOUTS", "AnalysisError", "is_conversation_source", "layout_rows", "load_conversations", "load_sequences"]
 
-# Training layouts of a conversation (`trl_dta.trainers.layouts.SAMPLE_LAYOUTS`).
-LAYOUTS = ("episode", "per_turn")
+LAYOUTS = SAMPLE_LAYOUTS  # training layouts of a conversation
 ASSISTANT = "assistant"
 CONVERSATION_FIELDS = ("messages", "turns")
 

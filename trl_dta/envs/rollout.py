@@ -35,6 +35,7 @@ import torch
 from transformers import GenerationConfig
 
 from .._checks import check_int
+from ..batch import SAMPLE_LAYOUTS
 from .env import RetailDomain, RetailEnv
 from .protocol import render_reply
 from .reward import RewardBreakdown
@@ -170,7 +171,7 @@ def play_episodes(
     return episodes
 
 
-LAYOUTS = ("episode", "per_turn")
+LAYOUTS = SAMPLE_LAYOUTS
 
 
 def layout_sequences(episodes: Sequence[Episode], layout: str) -> list[list[int]]:
