@@ -45,7 +45,8 @@ def _replay(domain, tokenizer, episode, max_turns):
     return env.messages, env.reward().reward
 
 
-@pytest.mark.parametrize("branching,branch_turns", [([2, 2], 1), ([2, 3], 2), ([2, 2, 2], 1)])
+@pytest.mark.parametrize("branching,branch_turns", [([2, 2], 1), pytest.param([2, 3], 2, marks=pytest.mark.slow),
+                                                    pytest.param([2, 2, 2], 1, marks=pytest.mark.slow)])
 def test_episodes_share_first_turns_then_diverge(domain, tokenizer, branching, branch_turns):
     torch.manual_seed(0)
     model = build_model(tokenizer)

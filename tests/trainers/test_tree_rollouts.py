@@ -93,7 +93,11 @@ def small_model():
     return build_model(VOCAB, seed=3).eval()
 
 
-@pytest.mark.parametrize("branching,segment,max_new", [([2, 2], 1, 2), ([2, 2, 2], 1, 3), ([3, 2], 2, 3)])
+@pytest.mark.parametrize("branching,segment,max_new", [
+    ([2, 2], 1, 2),
+    pytest.param([2, 2, 2], 1, 3, marks=pytest.mark.slow),
+    pytest.param([3, 2], 2, 3, marks=pytest.mark.slow),
+])
 def test_leaves_have_the_policy_marginal(small_model, branching, segment, max_new):
     """Each leaf position, over many trees, is distributed as one independent sample of the policy (the exact
     distribution by enumeration, repetition penalty and top-k included), tested with a chi-square at ALPHA."""
