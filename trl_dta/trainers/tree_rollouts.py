@@ -388,6 +388,14 @@ class TreeRollouts:
                 f"`trl_dta.envs.AgentRolloutFunc(branching=...)` as `rollout_func`, {off}"
             )
         check_generation_config(trainer.generation_config)
+        per_process = args.generation_batch_size // trainer.accelerator.num_processes
+        if per_process % args.num_generations:
+            raise ValueError(
+                f"Tree rollouts sample a prompt's {args.num_generations} completions as one tree on one process, but "
+                f"each of the {trainer.accelerator.num_processes} processes generates {per_process} rows "
+                f"(`generation_batch_size={args.generation_batch_size}`), which splits prompt groups. Make "
+                f"`generation_batch_size / num_processes` a multiple of `num_generations`, {off}"
+            )
         return cls(branching, args.dta_tree_segment_length, args.dta_tree_advantage)
 
     def applies(self, num_generations: int) -> bool:
