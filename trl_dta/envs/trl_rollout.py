@@ -74,6 +74,9 @@ class AgentRolloutFunc:
             copied 4 times (environment included) after `branch_turns` turns. The product must equal the trainer's
             `num_generations`; the domain's environments must implement `copy()` (refused at construction otherwise).
         branch_turns (`int`, *optional*, defaults to `1`): agent turns per level before each branch point.
+
+    Logs `dta/generated_tokens` (policy tokens sampled) and `dta/generated_tokens_independent` (the policy tokens of
+    the returned episodes: what independent episodes would sample) next to TRL's metrics.
     """
 
     def __init__(self, domain: RetailDomain, *, max_turns: int = 8, max_tokens: int = 1024,
@@ -114,10 +117,21 @@ class AgentRolloutFunc:
             generation_kwargs=trainer.generation_kwargs,
             gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
         ) as model:
-            generate = model_generate_fn(model, trainer.processing_class, trainer.generation_config)
+            sample = model_generate_fn(model, trainer.processing_class, trainer.generation_config)
+            generated = [0]
+
+            def generate(prefixes, max_new_tokens):
+                outputs = sample(prefixes, max_new_tokens)
+                generated[0] += sum(len(g.ids) for g in outputs)
+                return outputs
+
             episodes = play_episodes(self.domain, task_ids, generate, trainer.processing_class,
                                      max_turns=self.max_turns, max_turn_tokens=trainer.max_completion_length,
                                      max_tokens=self.max_tokens, **tree)
+        # Policy tokens sampled vs the same episodes played independently (tree rollouts share their first turns).
+        metrics = trainer._metrics["train" if trainer.model.training else "eval"]
+        metrics["dta/generated_tokens"].append(float(generated[0]))
+        metrics["dta/generated_tokens_independent"].append(float(sum(sum(e.env_mask) for e in episodes)))
         return {
             "prompt_ids": [e.ids[:e.prompt_length] for e in episodes],
             "completion_ids": [e.ids[e.prompt_length:] for e in episodes],
