@@ -327,3 +327,17 @@ def test_command_line_lists(tmp_path):
     (default,) = TrlParser((DTAGRPOConfig,)).parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--use_cpu",
                                                                           "true"])
     assert default.dta_tree_branching is None and default.dta_tree_segment_length is None
+
+
+def test_vision_language_models_are_refused(model_dir, tokenizer, dataset, tmp_path):
+    """The refusal `TreeRollouts.from_trainer` applies to a trainer whose model TRL identified as vision-language (a
+    real trainer with TRL's `_is_vlm` flag set, as no vision model is built offline here)."""
+    from trl_dta.trainers.tree_rollouts import TreeRollouts
+
+    args = make_args(DTAGRPOConfig, tmp_path, dta_enabled=False, **TREE)
+    trainer = DTAGRPOTrainer(model=model_dir, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                             args=args, train_dataset=dataset, processing_class=tokenizer)
+    assert isinstance(trainer._dta_trees, TreeRollouts)
+    trainer._is_vlm = True
+    with pytest.raises(ValueError, match="vision-language"):
+        TreeRollouts.from_trainer(trainer)
