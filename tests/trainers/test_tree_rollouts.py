@@ -141,6 +141,40 @@ def test_siblings_share_their_parent_segment(small_model):
     assert saw_copy
 
 
+@pytest.mark.parametrize("branching,segment,max_new", [
+    ([1, 4], 2, 5), ([4, 1], 1, 3), ([2, 3], 2, 3), ([3, 1, 2], 1, 4), ([2, 2, 2], 2, 7), ([6], None, 4),
+])
+@pytest.mark.parametrize("min_new_tokens", [None, 3])
+def test_tree_invariants(small_model, branching, segment, max_new, min_new_tokens):
+    """Over branchings with levels of one child, one-level trees and frequent EOS (a +3 bias): every tree has
+    `prod(branching)` leaves of at most `max_new` tokens, rows below a node share its tokens, an ended node's rows are
+    copies, `generated_tokens` counts each node once, and `min_new_tokens` holds across branch points."""
+    config = _generation_config(sequence_bias=[[[EOS], 3.0]], min_new_tokens=min_new_tokens)
+    prompts = [[5, 6, 7, 3, 4], [9], [3, 3, 5]] * 4
+    torch.manual_seed(7)
+    trees, stats = sample_trees(small_model, prompts, branching, segment, max_new, config, [EOS], PAD)
+    g, starts = math.prod(branching), [level * (segment or 0) for level in range(len(branching))]
+    for tree in trees:
+        assert len(tree.leaves) == len(tree.nodes) == g and tree.starts == starts
+        nodes = {}
+        for leaf, path in zip(tree.leaves, tree.nodes):
+            assert 1 <= len(leaf) <= max_new
+            if min_new_tokens:
+                assert len(leaf) >= min(min_new_tokens, max_new)
+            if EOS in leaf:
+                assert leaf.index(EOS) == len(leaf) - 1
+            else:
+                assert len(leaf) == max_new  # only the budget stops a completion without EOS
+            for level, node in enumerate(path):
+                end = len(leaf) if level == len(path) - 1 else starts[level + 1]
+                nodes.setdefault(node, set()).add(tuple(leaf[starts[level]:end]))
+            if len(path) < len(branching):  # ended before the last level: an EOS inside its last segment
+                assert leaf[-1] == EOS and len(leaf) <= starts[len(path)]
+        assert all(len(segments) == 1 for segments in nodes.values())  # a node's rows agree on its segment
+        assert tree.generated_tokens == sum(len(next(iter(v))) for v in nodes.values())
+    assert all(positions == 1 for _, positions in stats.forward_calls[1:])
+
+
 def test_cache_reuse_gives_the_full_sequence_logits_and_no_refill():
     """float64 model: every sampled token's logits equal the model's on the whole sequence alone, unpadded (prompts of
     different lengths, left-padded together); after the one prefill of the prompts, every forward is one new position
