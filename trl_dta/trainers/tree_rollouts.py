@@ -31,13 +31,21 @@ each of the rows below it is that same finished sequence, which is exactly what 
 
 Distribution. The product of the segment distributions is the sequence distribution, so each leaf, taken alone, is a
 sample from the policy (`tests/trainers/test_tree_rollouts.py` checks the marginals with a chi-square test). Leaves of
-one prompt are *correlated*: siblings share their first segments. TRL's group baseline (the mean reward of the group)
-stays an unbiased estimate of the prompt's value, but it has a larger variance than with independent samples (fewer
-independent first segments), and each leaf's advantage is correlated with its siblings'. The policy-gradient estimate
-stays unbiased for the leave-one-out/group-mean baselines up to the same O(1/G) bias TRL's group mean already has
-(the baseline includes the sample itself; with tree rollouts it also includes its siblings, which share its prefix).
-The optional tree advantage (`dta_tree_advantage="tree"`, [`tree_advantages`]) credits each segment with the value
-of its node minus its parent's (TreeRL, TreePO).
+one prompt are *correlated*: siblings share their first segments. What that does to TRL's group baseline (the mean
+reward of the group's `G` leaves):
+
+- it stays an unbiased estimate of the prompt's value, with a larger variance than from `G` independent samples
+  (only `branching[0]` independent first segments);
+- it shrinks the gradient of shared segments. With independent samples the mean includes the sample itself, which
+  scales every expected gradient by `(G - 1) / G` (TRL's behaviour). A segment shared by the `m` leaves below its node
+  has the node's value in the baseline with weight `m / G`, so its expected gradient is scaled by `(G - m) / G`
+  (leaves outside the node are independent of the segment given its parent and add no bias): with `[2, 2, 2]`
+  (`G = 8`) the first segments learn at 4/8 of their signal, the second at 6/8, the last at 7/8;
+- with `scale_rewards="group"` the division by the group's standard deviation uses correlated rewards too.
+
+The optional tree advantage (`dta_tree_advantage="tree"`, [`tree_advantages`]) credits each segment with its node's
+value minus its parent's (TreeRL, TreePO): a node is compared with its siblings, and its expected gradient is scaled
+by `(b - 1) / b` for a node with `b` siblings (TRL's self-inclusion, per branch point).
 
 Budget. Every leaf has at most `max_completion_length` tokens: the branch points sit after `S, 2S, ...` completion
 tokens and the last level continues to `max_completion_length`.
