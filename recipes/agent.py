@@ -28,6 +28,7 @@ Launch:
 # The embedded default (CPU, about a minute)
 python recipes/agent.py
 python recipes/agent.py --config recipes/configs/agent.yaml --dta_sample_layout episode
+python recipes/agent.py --agent_branching 2 2                       # tree rollouts: 4 episodes per task share turn 1
 
 # Two processes on CPU (the episode layout; per_turn needs equal turn-row counts on every rank, else a clear error)
 accelerate launch --config_file recipes/configs/accelerate_multi_cpu.yaml recipes/agent.py \
@@ -77,6 +78,11 @@ class AgentScriptArguments:
             Agent turns per episode; `max_completion_length` is the token budget of each turn.
         agent_max_tokens (`int`, *optional*, defaults to `1024`):
             Tokens per episode, prompt included. The embedded model is built with this many positions.
+        agent_branching (`list[int]`, *optional*):
+            Tree rollouts of episodes: episodes per level of each task's tree (product = `num_generations`), sharing
+            their first turns; `None` plays independent episodes.
+        agent_branch_turns (`int`, *optional*, defaults to `1`):
+            Agent turns per level before each branch point of `agent_branching`.
         tiny_hidden_size (`int`, *optional*, defaults to `64`):
             Width of the embedded model.
         tiny_num_hidden_layers (`int`, *optional*, defaults to `2`):
@@ -107,6 +113,17 @@ class AgentScriptArguments:
         metadata={
             "help": "Tokens per episode, prompt included. The embedded model is built with this many positions."
         },
+    )
+    agent_branching: list[int] | None = field(
+        default=None,
+        metadata={
+            "help": "Tree rollouts of episodes (`AgentRolloutFunc(branching=...)`): episodes per level of each task's "
+            "tree, e.g. `--agent_branching 2 2`; the product must equal `num_generations`. Episodes share their first "
+            "turns, then diverge (the environment copied at each branch point). None plays independent episodes."
+        },
+    )
+    agent_branch_turns: int = field(
+        default=1, metadata={"help": "Agent turns per level before each branch point of `agent_branching`."}
     )
     tiny_hidden_size: int = field(default=64, metadata={"help": "Width of the embedded model."})
     tiny_num_hidden_layers: int = field(default=2, metadata={"help": "Depth of the embedded model."})
@@ -192,7 +209,8 @@ def main(script_args: AgentScriptArguments, training_args: DTAGRPOConfig, model_
         model_args.model_name_or_path = prepare_embedded_model(script_args, training_args)
     domain = RetailDomain(seed=training_args.seed, num_users=script_args.agent_num_users,
                           policy_chars=script_args.agent_policy_chars)
-    rollout = AgentRolloutFunc(domain, max_turns=script_args.agent_max_turns, max_tokens=script_args.agent_max_tokens)
+    rollout = AgentRolloutFunc(domain, max_turns=script_args.agent_max_turns, max_tokens=script_args.agent_max_tokens,
+                               branching=script_args.agent_branching, branch_turns=script_args.agent_branch_turns)
 
     model_init_kwargs = {
         "revision": model_args.model_revision,

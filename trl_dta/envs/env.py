@@ -17,6 +17,7 @@ ends an episode through [`RetailEnv.stop`]. Nothing the agent writes can crash a
 
 from __future__ import annotations
 
+import copy
 import re
 from functools import cached_property
 
@@ -153,6 +154,18 @@ class RetailEnv:
         if not answer.startswith("error:"):
             self._executed.append(action)
         return TOOL, answer
+
+    def copy(self) -> RetailEnv:
+        """An independent copy of the episode as it stands: same database, tool session, user state and conversation;
+        what either does next never reaches the other. Tree rollouts branch an episode at a turn boundary with it
+        (`play_episodes(..., branching=...)`; the protocol: `trl_dta.envs.rollout.CopyableEnv`)."""
+        twin = copy.copy(self)
+        twin.db = self.db.copy()
+        twin.session = copy.deepcopy(self.session)
+        twin.user = copy.copy(self.user)
+        twin.messages, twin._turns = list(self.messages), list(self._turns)
+        twin._said, twin._executed = list(self._said), list(self._executed)
+        return twin
 
     def stop(self, reason: str) -> None:
         """Ends the episode (the rollout calls it with `"max_tokens"`)."""

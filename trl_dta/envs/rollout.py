@@ -19,6 +19,14 @@ Episodes run in lockstep: each round asks the generator for one turn of every un
 last token of an episode is always a policy token: the reply that ends an episode (the user's `(stop)`, or the answer
 to the last allowed turn) stays in `messages` but is not tokenized, as nothing would be generated after it.
 
+Tree rollouts (`branching=[b_0, b_1, ...]`, `branch_turns=k`): a task's episodes share their first turns and then
+diverge. `b_0` episodes start from the prompt; after every `k` agent turns (at a turn boundary: the environment's
+reply appended, the next agent turn not yet sampled) each unfinished episode is copied `b_{l+1}` times, its environment
+with it (`env.copy()`, the [`CopyableEnv`] protocol), and the copies play on independently. An episode that ended
+before a branch point stands for all the rows below it (copies of the same finished episode, each an honest sample).
+A task then yields `prod(branching)` episodes in depth-first order; shared turns are sampled once, and DTA trains the
+shared conversation once. Environments without `copy()` are refused.
+
 Limits: at most `max_turns` agent turns, at most `max_turn_tokens` tokens per turn (the generator stops earlier at
 its end-of-turn token), and never more than `max_tokens` tokens in an episode: a turn gets at most the tokens left,
 and a reply that would leave no token for the next turn ends the episode (`"max_tokens"`) instead of being appended.
@@ -27,9 +35,10 @@ and a reply that would leave no token for the next turn ends the episode (`"max_
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 from transformers import GenerationConfig
@@ -50,6 +59,47 @@ class Generation(NamedTuple):
 
 # (prefixes, max_new_tokens per prefix) -> one Generation per prefix, each with 1..max_new_tokens ids.
 GenerateFn = Callable[[list[list[int]], list[int]], list[Generation]]
+
+
+@runtime_checkable
+class CopyableEnv(Protocol):
+    """What tree rollouts need of an episode's environment (`RetailEnv` implements it; a tau2 adapter should too).
+
+    - `step(turn: str) -> (role, text)`: play one agent turn, answer it;
+    - `done: bool`, `stop(reason)`, `messages`, `end_reason`, `reward()`: as `RetailEnv`;
+    - `copy() -> CopyableEnv`: an independent environment whose future, from now on, is distributed as this one's
+      (same state: database, tool session, user simulator state and its random generator, conversation); stepping one
+      never changes the other.
+    """
+
+    done: bool
+
+    def step(self, turn: str) -> tuple[str, str]: ...
+
+    def copy(self) -> CopyableEnv: ...
+
+
+def check_branching(branching, branch_turns: int = 1) -> tuple[list[int] | None, int]:
+    """`branching` as a list of positive ints (or None) and `branch_turns` as a positive int; errors name the fix."""
+    branch_turns = check_int("branch_turns", branch_turns, minimum=1, hint="agent turns per segment")
+    if branching is None:
+        return None, branch_turns
+    if isinstance(branching, (str, bytes)) or not hasattr(branching, "__iter__"):
+        raise TypeError(f"`branching` must be a list of positive integers (episodes per level, e.g. [2, 2]) or None, "
+                        f"got {branching!r}.")
+    branching = [check_int("branching[]", b, minimum=1) for b in branching]
+    if not branching:
+        raise ValueError("`branching` must list at least one level (e.g. [2, 2]), or be None.")
+    return branching, branch_turns
+
+
+def check_copyable(env) -> None:
+    """Refuse an environment that tree rollouts cannot branch."""
+    if not callable(getattr(env, "copy", None)):
+        raise ValueError(
+            f"tree rollouts branch episodes by copying their environment, but {type(env).__name__} has no `copy()` "
+            "(see `trl_dta.envs.rollout.CopyableEnv`): implement it, or play independent episodes (`branching=None`)."
+        )
 
 
 @dataclass(frozen=True)
@@ -106,8 +156,11 @@ def play_episodes(
     max_turns: int = 8,
     max_turn_tokens: int = 64,
     max_tokens: int = 1024,
+    branching: Sequence[int] | None = None,
+    branch_turns: int = 1,
 ) -> list[Episode]:
-    """Plays `num_generations` episodes of every task with the policy behind `generate`.
+    """Plays `num_generations` episodes of every task with the policy behind `generate` (or, with `branching`, a tree
+    of `prod(branching)` episodes per task, see the module docstring).
 
     Args:
         domain ([`~envs.env.RetailDomain`]): the domain.
@@ -121,11 +174,19 @@ def play_episodes(
         max_turn_tokens (`int`, *optional*, defaults to `64`): tokens per agent turn (the longest gold call of the
             retail domain is about 50 characters).
         max_tokens (`int`, *optional*, defaults to `1024`): tokens per episode, prompt included.
+        branching (`Sequence[int]`, *optional*): tree rollouts: episodes per level (`num_generations` must be 1).
+        branch_turns (`int`, *optional*, defaults to `1`): agent turns per level before each branch point.
 
     Returns:
-        `list[Episode]`: `len(task_ids) * num_generations` episodes, the `num_generations` of a task next to each other.
+        `list[Episode]`: `len(task_ids) * num_generations` episodes (`len(task_ids) * prod(branching)` with
+        `branching`), those of a task next to each other.
     """
     num_generations = check_int("num_generations", num_generations, minimum=1)
+    branching, branch_turns = check_branching(branching, branch_turns)
+    if branching is not None and num_generations != 1:
+        raise ValueError(f"with `branching` each task yields prod(branching) episodes: set `num_generations=1` "
+                         f"(got {num_generations}).")
+    tree = branching or [num_generations]
     max_turn_tokens = check_int("max_turn_tokens", max_turn_tokens, minimum=1)
     max_tokens = check_int("max_tokens", max_tokens, minimum=2)
     episodes: list[Episode] = []
@@ -137,11 +198,19 @@ def play_episodes(
                 f"the prompt of task {task_id} has {len(prompt_ids)} tokens, which leaves no room for a turn within "
                 f"`max_tokens={max_tokens}`; raise `max_tokens` or shorten the policy (`policy_chars`)."
             )
-        for _ in range(num_generations):
+        for _ in range(tree[0]):
             episodes.append(Episode(domain.task(task_id).task_id, list(prompt_ids), [0] * len(prompt_ids),
                                     [0.0] * len(prompt_ids), len(prompt_ids)))
             envs.append(domain.episode(task_id, max_turns=max_turns))
-    while active := [i for i, env in enumerate(envs) if not env.done]:
+            if branching is not None:
+                check_copyable(envs[-1])
+    levels = [0] * len(envs)  # branch points each episode has passed
+    while True:
+        if branching is not None:
+            episodes, envs, levels = _branch(episodes, envs, levels, branching, branch_turns)
+        active = [i for i, env in enumerate(envs) if not env.done]
+        if not active:
+            break
         budgets = [min(max_turn_tokens, max_tokens - len(episodes[i].ids)) for i in active]
         outputs = generate([list(episodes[i].ids) for i in active], budgets)
         if len(outputs) != len(active):
@@ -166,9 +235,28 @@ def play_episodes(
                 env.stop("max_tokens")
                 continue
             _append(episode, reply, False, None)
+    if branching is not None:  # episodes that ended before a branch point stand for all the rows below them
+        copies = [math.prod(branching[level + 1:]) for level in levels]
+        episodes = [copy.deepcopy(e) for e, n in zip(episodes, copies) for _ in range(n)]
+        envs = [env for env, n in zip(envs, copies) for _ in range(n)]
     for episode, env in zip(episodes, envs):
-        episode.messages, episode.end_reason, episode.reward = env.messages, env.end_reason, env.reward()
+        episode.messages, episode.end_reason, episode.reward = list(env.messages), env.end_reason, env.reward()
     return episodes
+
+
+def _branch(episodes: list[Episode], envs: list, levels: list[int], branching: list[int], branch_turns: int):
+    """Copy every unfinished episode that reached its next branch point (`branch_turns` agent turns per level) into
+    the next level's number of children, in place in the depth-first order."""
+    out_episodes, out_envs, out_levels = [], [], []
+    for episode, env, level in zip(episodes, envs, levels):
+        if env.done or level + 1 >= len(branching) or len(episode.turns) < branch_turns * (level + 1):
+            out_episodes.append(episode), out_envs.append(env), out_levels.append(level)
+            continue
+        for child in range(branching[level + 1]):
+            out_episodes.append(episode if child == 0 else copy.deepcopy(episode))
+            out_envs.append(env if child == 0 else env.copy())
+            out_levels.append(level + 1)
+    return out_episodes, out_envs, out_levels
 
 
 LAYOUTS = SAMPLE_LAYOUTS

@@ -26,11 +26,13 @@ them diverge; it cannot be tested offline either.
 
 from __future__ import annotations
 
+import math
+
 from datasets import Dataset
 
 from .._checks import check_bool, check_int
 from .env import RetailDomain
-from .rollout import model_generate_fn, play_episodes
+from .rollout import check_branching, check_copyable, model_generate_fn, play_episodes
 
 
 def build_dataset(
@@ -67,12 +69,24 @@ class AgentRolloutFunc:
         domain ([`~envs.env.RetailDomain`]): the domain the dataset was built from.
         max_turns (`int`, *optional*, defaults to `8`): agent turns per episode.
         max_tokens (`int`, *optional*, defaults to `1024`): tokens per episode, prompt included.
+        branching (`list[int]`, *optional*): tree rollouts: each prompt group's `num_generations` episodes played as a
+            tree that branches at turn boundaries (`play_episodes`), e.g. `[2, 4]`: 2 episodes from the prompt, each
+            copied 4 times (environment included) after `branch_turns` turns. The product must equal the trainer's
+            `num_generations`; the domain's environments must implement `copy()` (refused at construction otherwise).
+        branch_turns (`int`, *optional*, defaults to `1`): agent turns per level before each branch point.
+
+    Logs `dta/generated_tokens` (policy tokens sampled) and `dta/generated_tokens_independent` (the policy tokens of
+    the returned episodes: what independent episodes would sample) next to TRL's metrics.
     """
 
-    def __init__(self, domain: RetailDomain, *, max_turns: int = 8, max_tokens: int = 1024):
+    def __init__(self, domain: RetailDomain, *, max_turns: int = 8, max_tokens: int = 1024,
+                 branching: list[int] | None = None, branch_turns: int = 1):
         self.domain = domain
         self.max_turns = check_int("max_turns", max_turns, minimum=1)
         self.max_tokens = check_int("max_tokens", max_tokens, minimum=2)
+        self.branching, self.branch_turns = check_branching(branching, branch_turns)
+        if self.branching is not None:
+            check_copyable(domain.episode(0, max_turns=self.max_turns))
 
     def __call__(self, prompts: list, trainer) -> dict[str, list]:
         from trl.models.utils import unwrap_model_for_generation
@@ -83,15 +97,41 @@ class AgentRolloutFunc:
                 "generation calls do not fit episodes of different lengths)."
             )
         task_ids = [self.domain.task_id_of(prompt) for prompt in prompts]
+        tree = {}
+        if self.branching is not None:
+            group = trainer.num_generations if trainer.model.training else trainer.num_generations_eval
+            if math.prod(self.branching) != group:
+                raise ValueError(
+                    f"AgentRolloutFunc(branching={self.branching}) plays {math.prod(self.branching)} episodes per "
+                    f"task, but the trainer expects {group} (`num_generations`): make them equal."
+                )
+            if len(task_ids) % group or any(task_ids[i] != task_ids[i - i % group] for i in range(len(task_ids))):
+                raise ValueError(
+                    f"tree rollouts need each task in {group} consecutive rows (TRL's sampler) and whole groups on "
+                    "every process (`generation_batch_size / num_processes` a multiple of `num_generations`)."
+                )
+            task_ids = task_ids[::group]
+            tree = dict(branching=self.branching, branch_turns=self.branch_turns)
         with unwrap_model_for_generation(
             trainer.model_wrapped, trainer.accelerator, gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
             generation_kwargs=trainer.generation_kwargs,
             gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
         ) as model:
-            generate = model_generate_fn(model, trainer.processing_class, trainer.generation_config)
+            sample = model_generate_fn(model, trainer.processing_class, trainer.generation_config)
+            generated = [0]
+
+            def generate(prefixes, max_new_tokens):
+                outputs = sample(prefixes, max_new_tokens)
+                generated[0] += sum(len(g.ids) for g in outputs)
+                return outputs
+
             episodes = play_episodes(self.domain, task_ids, generate, trainer.processing_class,
                                      max_turns=self.max_turns, max_turn_tokens=trainer.max_completion_length,
-                                     max_tokens=self.max_tokens)
+                                     max_tokens=self.max_tokens, **tree)
+        # Policy tokens sampled vs the same episodes played independently (tree rollouts share their first turns).
+        metrics = trainer._metrics["train" if trainer.model.training else "eval"]
+        metrics["dta/generated_tokens"].append(float(generated[0]))
+        metrics["dta/generated_tokens_independent"].append(float(sum(sum(e.env_mask) for e in episodes)))
         return {
             "prompt_ids": [e.ids[:e.prompt_length] for e in episodes],
             "completion_ids": [e.ids[e.prompt_length:] for e in episodes],

@@ -8,6 +8,7 @@ per kind of value: `True` is never a count, `2.0` is never a token budget, `nan`
 
 from __future__ import annotations
 
+import math
 import textwrap
 from dataclasses import dataclass, field, fields
 
@@ -165,6 +166,36 @@ class DTAArguments:
         },
     )
 
+    # Tree rollouts (generation)
+    dta_tree_branching: list[int] | None = field(
+        default=None,
+        metadata={
+            "help": "Opt-in tree rollouts (`DTAGRPOTrainer`, transformers generation): children per level of each "
+            "prompt's sampling tree, e.g. `[4, 2]` (`--dta_tree_branching 4 2`): 4 first segments, each continued "
+            "twice; the product must equal `num_generations`. Shared segments are generated once (their key/value "
+            "cache copied to the children) and trained once by DTA. Each completion is a sample of the policy, but "
+            "the completions of a prompt are correlated (see `trl_dta.trainers.tree_rollouts`). Applies with "
+            "`dta_enabled=False` too. `None` samples the completions independently, as TRL does."
+        },
+    )
+    dta_tree_segment_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Completion tokens per segment before each branch point of `dta_tree_branching` (branch points "
+            "after `S, 2S, ...` tokens; the last level continues to `max_completion_length`, so "
+            "`S * (len(dta_tree_branching) - 1)` must be less than it). Needed when `dta_tree_branching` has more "
+            "than one level."
+        },
+    )
+    dta_tree_advantage: str = field(
+        default="group",
+        metadata={
+            "help": "Advantages of tree rollouts: 'group' (TRL's own advantage of each completion over its group; the "
+            "objective is TRL's) or 'tree' (per-token: each segment gets its node's value minus its parent's, a "
+            "node's value being the mean advantage of the completions below it, as in TreeRL/TreePO)."
+        },
+    )
+
     def validate_dta(self) -> None:
         """Check every `dta_*` value; errors name the field and the fix."""
         for name in ("dta_enabled", "dta_group_shuffle", "dta_balance"):
@@ -186,6 +217,24 @@ class DTAArguments:
                                                hint="1.0 sends every batch through DTA")
         check_choice("dta_cost_model", self.dta_cost_model, ("default", "fit"))
         check_choice("dta_attn_backend", self.dta_attn_backend, BACKENDS)
+        self._validate_tree_types()
+
+    def _validate_tree_types(self) -> None:
+        """The tree-rollout fields on their own (their relation to TRL's fields: [`check_tree_args`])."""
+        branching = self.dta_tree_branching
+        if branching is not None:
+            if isinstance(branching, (str, bytes)) or not hasattr(branching, "__iter__"):
+                raise TypeError(
+                    f"`dta_tree_branching` must be a list of positive integers (children per level, e.g. [4, 2]) or "
+                    f"None, got {branching!r}."
+                )
+            branching = [check_int("dta_tree_branching[]", b, minimum=1, hint="children per level") for b in branching]
+            if not branching:
+                raise ValueError("`dta_tree_branching` must list at least one level (e.g. [4, 2]), or be None.")
+            self.dta_tree_branching = branching
+        self.dta_tree_segment_length = check_int("dta_tree_segment_length", self.dta_tree_segment_length, minimum=1,
+                                                 allow_none=True, hint="completion tokens per segment")
+        check_choice("dta_tree_advantage", self.dta_tree_advantage, ("group", "tree"))
 
     @classmethod
     def from_config(cls, args) -> DTAArguments:
@@ -203,8 +252,11 @@ _SECTIONS = (
     ("Parameters that choose the engine's attention kernels", ("dta_attn_backend",)),
     ("Parameters that regroup rows (micro-batches, ranks)", ("dta_group_shuffle", "dta_balance", "dta_cost_model")),
     ("Parameters that shape the training rows of multi-turn episodes", ("dta_sample_layout",)),
+    ("Parameters that sample completions as trees (tree rollouts)",
+     ("dta_tree_branching", "dta_tree_segment_length", "dta_tree_advantage")),
 )
-_TYPE_NAMES = {"bool": "bool", "int": "int", "float": "float", "str": "str", "int | None": "int` or `None"}
+_TYPE_NAMES = {"bool": "bool", "int": "int", "float": "float", "str": "str", "int | None": "int` or `None",
+               "list[int] | None": "list[int]` or `None"}
 
 
 def dta_parameters_doc() -> str:
@@ -235,11 +287,61 @@ def _config_doc(trainer: str, trl_config: str) -> str:
     )
 
 
+def check_tree_args(args) -> None:
+    """Tree rollouts against the TRL config they run in (a validated `DTAGRPOConfig`); errors name the fix."""
+    branching, length = args.dta_tree_branching, args.dta_tree_segment_length
+    if branching is None:
+        if length is not None or args.dta_tree_advantage != "group":
+            raise ValueError(
+                "`dta_tree_segment_length` and `dta_tree_advantage` shape tree rollouts, which are off: set "
+                "`dta_tree_branching` (e.g. [4, 2]) too, or leave them at their defaults."
+            )
+        return
+    off = "or set `dta_tree_branching=None` to sample completions independently as TRL does."
+    if math.prod(branching) != args.num_generations:
+        raise ValueError(
+            f"`dta_tree_branching={branching}` makes {math.prod(branching)} completions per prompt, but "
+            f"`num_generations={args.num_generations}`: the product of the branching factors must equal "
+            f"`num_generations` (e.g. `num_generations={math.prod(branching)}`), {off}"
+        )
+    if len(branching) > 1:
+        if length is None:
+            raise ValueError(
+                f"`dta_tree_branching={branching}` branches after each segment: set `dta_tree_segment_length` (tokens "
+                f"per segment before each branch point), {off}"
+            )
+        if length * (len(branching) - 1) >= args.max_completion_length:
+            raise ValueError(
+                f"`dta_tree_segment_length={length}` puts the last branch point of `dta_tree_branching={branching}` at "
+                f"completion token {length * (len(branching) - 1)}, not before `max_completion_length="
+                f"{args.max_completion_length}`: use a segment length below "
+                f"{math.ceil(args.max_completion_length / (len(branching) - 1))}, fewer levels, or a longer "
+                f"`max_completion_length`, {off}"
+            )
+    refused = {
+        "use_vllm": "vLLM generation (server or colocate) of tree rollouts is not implemented (it cannot be tested "
+        "here); use transformers generation (`use_vllm=False`)",
+        "use_transformers_continuous_batching": "continuous batching schedules rows itself; use "
+        "`use_transformers_continuous_batching=False`",
+        "cache_implementation": "tree rollouts copy a `DynamicCache` per child; leave `cache_implementation=None`",
+    }
+    for name, why in refused.items():
+        if getattr(args, name, None):
+            raise ValueError(f"`dta_tree_branching` cannot be combined with `{name}={getattr(args, name)!r}`: {why}, "
+                             f"{off}")
+    if args.dta_tree_advantage == "tree" and args.dta_sample_layout == "per_turn":
+        raise ValueError(
+            "`dta_tree_advantage='tree'` gives single-turn completions per-token advantages; "
+            "`dta_sample_layout='per_turn'` is for multi-turn episodes. Keep `dta_sample_layout='episode'`."
+        )
+
+
 @dataclass
 class DTAGRPOConfig(DTAArguments, GRPOConfig):
     def __post_init__(self):
         super().__post_init__()
         self.validate_dta()
+        check_tree_args(self)
 
 
 @dataclass
@@ -247,6 +349,12 @@ class DTARLOOConfig(DTAArguments, RLOOConfig):
     def __post_init__(self):
         super().__post_init__()
         self.validate_dta()
+        if self.dta_tree_branching is not None:
+            raise ValueError(
+                "Tree rollouts (`dta_tree_branching`) are implemented for `DTAGRPOTrainer` (TRL's GRPO generation "
+                "hook); `RLOOTrainer` generates through another hook. Set `dta_tree_branching=None`, or train with "
+                "`DTAGRPOTrainer`."
+            )
         if self.dta_sample_layout != "episode":
             raise ValueError(
                 "TRL's RLOOTrainer has no multi-turn rollouts (no `rollout_func` or tools), so its batches have no "

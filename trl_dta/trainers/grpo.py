@@ -7,6 +7,7 @@ from trl import GRPOTrainer
 from ._mixin import DTATrainerMixin
 from .config import DTAGRPOConfig
 from .losses import GRPOSequenceLoss
+from .tree_rollouts import TreeRollouts
 
 
 class DTAGRPOTrainer(DTATrainerMixin, GRPOTrainer):
@@ -18,7 +19,10 @@ class DTAGRPOTrainer(DTATrainerMixin, GRPOTrainer):
     DTA defaults). Overrides, and only these (see `trl_dta/trainers/_mixin.py`): `_prepare_inputs` (only for the
     opt-in regroupings), `_get_per_token_logps_and_entropies` (no-grad old-policy/reference log-probs over the tree),
     `compute_loss` (the policy loss of an optimizer step's micro-batches through one `DTAEngine.forward_backward`)
-    and `training_step` (the accumulation window; one gradient reduction per window with several processes).
+    and `training_step` (the accumulation window; one gradient reduction per window with several processes); with
+    `dta_tree_branching` also `_generate_single_turn` (each prompt's completions sampled as a tree, shared segments
+    generated once: `tree_rollouts.py`) and, for `dta_tree_advantage="tree"`, `_generate_and_score_completions`
+    (per-token tree advantages after TRL's scoring).
 
     Every `loss_type` (grpo, bnpo, dr_grpo, dapo, luspo, cispo, sapo, vespo), token- and sequence-level importance
     sampling, `beta > 0` (reference model or adapter-disabled PEFT reference), `num_iterations`,
@@ -48,6 +52,24 @@ class DTAGRPOTrainer(DTATrainerMixin, GRPOTrainer):
     _dta_config_class = DTAGRPOConfig
     _dta_loss_class = GRPOSequenceLoss
     _tag_names = [*GRPOTrainer._tag_names, "trl-dta"]
+    _dta_trees: TreeRollouts | None = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._dta_trees = TreeRollouts.from_trainer(self)  # None unless `dta_tree_branching` is set
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """TRL's generation, or with `dta_tree_branching` each prompt's completions sampled as a tree
+        (`tree_rollouts.py`)."""
+        if self._dta_trees is None or not self._dta_trees.applies(num_generations):
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                 has_tool_images=has_tool_images)
+        return self._dta_trees.generate(self, prompt_ids, num_generations)
+
+    def _generate_and_score_completions(self, inputs):
+        """TRL's, with per-token tree advantages when `dta_tree_advantage="tree"`."""
+        output = super()._generate_and_score_completions(inputs)
+        return output if self._dta_trees is None else self._dta_trees.score(output)
 
     def _dta_sequence_loss(self, inputs: dict, scale: float):
         if self.top_entropy_quantile < 1.0:
