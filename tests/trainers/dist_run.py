@@ -6,7 +6,7 @@ its rows are replaced by a slice of one fixed global batch (seeded prompts, comp
 itself differs between process counts (each rank draws from its own generator). The final trainable parameters are
 saved by rank 0.
 
-Under FSDP (`accelerate launch --use_fsdp --fsdp_version 2 ...`) the CPU upgrade of `cpu_fsdp.py` makes the sharding
+Under FSDP (`accelerate launch --use_fsdp --fsdp_version 2 ...`) the CPU upgrade of `cpu_engines.py` makes the sharding
 real; `--variants` then trains several configurations one after the other in one launch (`VARIANTS`: TRL's trainer, DTA's
 defaults, DTA walking every segment), each from the saved model, into `<out stem>-<variant>.pt`.
 
@@ -25,7 +25,7 @@ from accelerate import PartialState
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import PAD, build_tokenizer, make_args  # noqa: E402
-from cpu_fsdp import CollectiveCounter, assert_fsdp2, enable_cpu_fsdp  # noqa: E402
+from cpu_engines import CollectiveCounter, assert_fsdp2, enable_cpu_engines  # noqa: E402
 
 GROUPS, G, PROMPT, COMPLETION = 4, 4, (10, 24), (1, 7)
 # `--variants`: the `dta_*` settings of each (`trl`: TRL's trainer). `_walk`: every segment its own engine call
@@ -117,7 +117,7 @@ def main() -> None:
     parser.add_argument("--variants", default="", help="comma-separated: trl, dta, dta_layer (overrides --dta)")
     parser.add_argument("--expect", default="", help="fsdp2 or deepspeed: assert that this engine really ran")
     args = parser.parse_args()
-    enable_cpu_fsdp()
+    enable_cpu_engines()
     if not args.variants:
         train_one(args, args.dta, {}, args.out)
         return

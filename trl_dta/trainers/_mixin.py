@@ -386,7 +386,7 @@ class DTATrainerMixin:
         self._metrics["train"]["dta/compression_ratio_micro_batch"].append(micro_step.compression)
         with torch.no_grad(), self._dta_replay(micro_step.logps, micro_step.entropies):
             loss = self._compute_loss(model, inputs)  # the logged value and TRL's metrics
-        return loss.detach().requires_grad_()
+        return loss.detach().requires_grad_().clone()  # a `grad_fn` that reaches no parameter (DeepSpeed asks one)
 
     def _dta_sequence_loss(self, inputs: dict, scale: float):
         """The per-sequence objective of a micro-batch, or None when the loss is not a sum over sequences."""

@@ -1,10 +1,13 @@
-"""Real FSDP2 on a CPU machine, for the launched test scripts (`dist_run.py`, the benchmark).
+"""Real FSDP2 and DeepSpeed on a CPU machine, for the launched test scripts (`dist_run.py`, the benchmark).
 
 accelerate 1.15 upgrades the distributed type to FSDP only for accelerator devices (`AcceleratorState.__init__`,
-around `accelerate/state.py:986-1013`: MULTI_CPU is not in the list), so on CPU an FSDP config silently becomes DDP.
-[`enable_cpu_fsdp`] applies the same upgrade for MULTI_CPU when FSDP was asked for (`ACCELERATE_USE_FSDP`, or a plugin
-passed in code); `torch.distributed.fsdp.fully_shard` then really shards the model over gloo (DTensor parameters).
-The scripts assert that it did ([`assert_fsdp2`]), so that a silent fall-back to DDP can never pass.
+around `accelerate/state.py:986-1013`: MULTI_CPU is not in the list), so on CPU an FSDP config silently becomes DDP;
+and it takes DeepSpeed only when `cpu=False`, which on a machine without GPU leaves no backend at all (one process).
+[`enable_cpu_engines`] applies the same upgrades for MULTI_CPU (a gloo group, `use_cpu=True`) when FSDP or DeepSpeed
+was asked for (`ACCELERATE_USE_FSDP` / `ACCELERATE_USE_DEEPSPEED`, or a plugin passed in code):
+`torch.distributed.fsdp.fully_shard` then really shards the model over gloo (DTensor parameters), and DeepSpeed (with
+`DS_ACCELERATOR=cpu`) really wraps it in its engine. The scripts assert that they did ([`assert_fsdp2`],
+`dist_run.assert_deepspeed`), so that a silent fall-back to DDP can never pass.
 """
 
 from __future__ import annotations
@@ -12,12 +15,13 @@ from __future__ import annotations
 import os
 
 
-def enable_cpu_fsdp() -> None:
-    """Patch `AcceleratorState.__init__` (idempotent) to apply accelerate's FSDP upgrade on MULTI_CPU too."""
+def enable_cpu_engines() -> None:
+    """Patch `AcceleratorState.__init__` (idempotent) to apply accelerate's FSDP and DeepSpeed upgrades on MULTI_CPU
+    too."""
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType
 
-    if getattr(AcceleratorState.__init__, "_dta_cpu_fsdp", False):
+    if getattr(AcceleratorState.__init__, "_dta_cpu_engines", False):
         return
     original = AcceleratorState.__init__
 
@@ -30,8 +34,15 @@ def enable_cpu_fsdp() -> None:
             self.fsdp_plugin = fsdp_plugin
         if getattr(self, "fsdp_plugin", None) is not None:
             self.distributed_type = DistributedType.FSDP
+        plugin = kwargs.get("deepspeed_plugin")
+        if plugin is not None and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+            plugin.set_mixed_precision(self._mixed_precision)  # as accelerate does for a GPU (state.py ~975)
+            plugin.select(_from_accelerator_state=True)
+            self.deepspeed_plugins = plugin
+        if getattr(self, "deepspeed_plugins", None) is not None:
+            self.distributed_type = DistributedType.DEEPSPEED
 
-    __init__._dta_cpu_fsdp = True
+    __init__._dta_cpu_engines = True
     AcceleratorState.__init__ = __init__
 
 
