@@ -186,10 +186,14 @@ def train_one(args, dta: int, extra: dict, out, last: bool = True) -> None:
     if dta:
         assert trainer._dta_parallel.name == (args.expect or ("ddp" if args.processes > 1 else "local"))
     model = trainer.accelerator.unwrap_model(trainer.model)
+    groups = list({id(g): g for m in model.modules() if hasattr(m, "_get_fsdp_state")  # a grouped unit: once
+                   for g in m._get_fsdp_state()._fsdp_param_groups if g.fsdp_params}.values())
+    counts = {**counter.counts, "groups": len(groups),
+              "trainable_groups": sum(any(p.sharded_param.requires_grad for p in g.fsdp_params) for g in groups)}
     params = {n: full(p) for n, p in model.named_parameters() if p.requires_grad}  # collective under FSDP
     if state.is_main_process:
         logs = [e for e in trainer.state.log_history if "loss" in e]
-        torch.save({"params": params, "logs": logs, "collectives": counter.counts, "steps": args.steps}, out)
+        torch.save({"params": params, "logs": logs, "collectives": counts, "steps": args.steps}, out)
     if not last:
         state.wait_for_everyone()
         return

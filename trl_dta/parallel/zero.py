@@ -90,8 +90,8 @@ class Zero(Local):
             return
         engine = wrapper.engine
         optimizer = engine.optimizer
-        hooks = getattr(optimizer, "_grad_acc_hooks", None)
-        if hooks is None or not hasattr(optimizer, "create_gradient_handling_hooks"):
+        hooks = getattr(optimizer, "_grad_acc_hooks", [])  # none under ZeRO-0 (DeepSpeed all-reduces in its epilogue)
+        if hooks and not hasattr(optimizer, "create_gradient_handling_hooks"):
             raise RuntimeError(
                 f"DTA under DeepSpeed drives the ZeRO optimizer's gradient hooks ({type(optimizer).__name__} has none "
                 f"of DeepSpeed 0.19's `_grad_acc_hooks`): install DeepSpeed 0.19 (`{_EXTRA}`), {_FIX}"
