@@ -30,12 +30,15 @@ def enable_cpu_engines() -> None:
         # Every `AcceleratorState()` copies PartialState's type (MULTI_CPU) over the shared state again: re-apply.
         if self.distributed_type != DistributedType.MULTI_CPU:
             return
-        if fsdp_plugin is not None and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        # A state already set up keeps its plugins (accelerate's `if not self.initialized`).
+        if (fsdp_plugin is not None and getattr(self, "fsdp_plugin", None) is None
+                and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"):
             self.fsdp_plugin = fsdp_plugin
         if getattr(self, "fsdp_plugin", None) is not None:
             self.distributed_type = DistributedType.FSDP
         plugin = kwargs.get("deepspeed_plugin")
-        if plugin is not None and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        if (plugin is not None and getattr(self, "deepspeed_plugins", None) is None
+                and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"):
             plugin.set_mixed_precision(self._mixed_precision)  # as accelerate does for a GPU (state.py ~975)
             plugin.select(_from_accelerator_state=True)
             self.deepspeed_plugins = plugin

@@ -78,3 +78,53 @@ def test_zero_matches_trl_under_zero(tmp_path, model_dir, stage, trainer, peft):
     runs = launch(tmp_path, model_dir, zero(stage), "trl,dta", "deepspeed", trainer=trainer, peft=peft, steps=3)
     compare(runs["trl"], runs["dta"], initial_values(model_dir, runs, peft))
     assert all(log["dta/dense_fallback"] == 0.0 for log in runs["dta"]["logs"])
+
+
+REFUSE_SCRIPT = SCRIPT.with_name("refuse_run.py")
+# case -> (accelerate's distributed type the trainer saw, what the error names: the setting and the alternative)
+REFUSED = {
+    "args_fsdp1": ("FSDP", ["FSDP version 1", "fsdp_version: 2"]),
+    "env_fsdp_offload": ("FSDP", ["CPU offload", "DeepSpeed ZeRO-1/2"]),
+    "code_plugin": ("FSDP", ["activation checkpointing", "dta_max_graph_tokens"]),
+    "args_zero3": ("DEEPSPEED", ["ZeRO-3", "ZeRO-2", "FSDP2"]),
+    "launch": ("DEEPSPEED", ["ZeRO-3", "ZeRO-2", "FSDP2"]),
+}
+ZERO3_CONFIG = """compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+deepspeed_config:
+  zero_stage: 3
+  gradient_clipping: 0.0
+  zero3_init_flag: false
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 2
+"""
+
+
+def refuse(tmp_path, model_dir: str, launch_args: list[str], cases: list[str]) -> dict:
+    import json
+
+    out = tmp_path / "refused.json"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch_args, f"--main_process_port={free_port()}",
+           str(REFUSE_SCRIPT), f"--out={out}", f"--model_dir={model_dir}", f"--cases={','.join(cases)}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0 and out.exists(), f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(out.read_text())
+
+
+def test_unsupported_settings_refused_at_construction_from_every_source(tmp_path, model_dir):
+    """FSDP1 from `TrainingArguments.fsdp`, FSDP2 offload from `ACCELERATE_*` variables, FSDP activation checkpointing
+    from a plugin passed in code, ZeRO-3 from `TrainingArguments.deepspeed` and from an accelerate config file: each
+    refused by the trainer's constructor, from the state accelerate set up, with the error naming the alternative."""
+    cases = ["args_fsdp1", "env_fsdp_offload", "code_plugin", "args_zero3"]
+    results = refuse(tmp_path, model_dir, ["--multi_gpu", "--num_processes=2", "--num_machines=1",
+                                           "--mixed_precision=no", "--dynamo_backend=no"], cases)
+    config = tmp_path / "zero3.yaml"
+    config.write_text(ZERO3_CONFIG)
+    results.update(refuse(tmp_path, model_dir, [f"--config_file={config}"], ["launch"]))
+    for case, (kind, words) in REFUSED.items():
+        result = results[case]
+        assert result["raised"] == "ValueError", (case, result)
+        assert result["distributed_type"] == f"DistributedType.{kind}", (case, result)
+        assert all(word in result["message"] for word in words), (case, result["message"])

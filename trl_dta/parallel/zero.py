@@ -32,7 +32,7 @@ import torch
 from .ddp import Local
 
 _FIX = "or set `dta_enabled=False` to train with the TRL trainer's dense path."
-_EXTRA = "pip install 'trl-dta[deepspeed]'"
+_EXTRA = 'pip install wheel "setuptools>=68" && pip install --no-build-isolation "trl-dta[deepspeed]"'
 
 
 def _deepspeed():
@@ -143,4 +143,7 @@ class _WindowGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return (None, None, *[g * grad.to(g.dtype) for g in ctx.grads])
+        grads, ctx.grads = ctx.grads, None
+        if bool(grad == 1):  # DeepSpeed's backward of an unscaled loss: hand the accumulated tensors over as they are
+            return (None, None, *grads)
+        return (None, None, *[g * grad.to(g.dtype) for g in grads])
