@@ -7,8 +7,8 @@ itself differs between process counts (each rank draws from its own generator). 
 saved by rank 0.
 
 Under FSDP (`accelerate launch --use_fsdp --fsdp_version 2 ...`) the CPU upgrade of `cpu_engines.py` makes the sharding
-real; `--variants` then trains several configurations one after the other in one launch (`VARIANTS`: TRL's trainer, DTA's
-defaults, DTA walking every segment), each from the saved model, into `<out stem>-<variant>.pt`.
+real; `--variants` then trains several configurations one after the other in one launch (`VARIANTS`: TRL's trainer,
+DTA's defaults, DTA walking every segment), each from the saved model, into `<out stem>-<variant>.pt`.
 
     accelerate launch --multi_gpu --num_processes 2 tests/trainers/dist_run.py --out a.pt --trainer grpo --dta 1
 """

@@ -109,7 +109,8 @@ def refuse(tmp_path, model_dir: str, launch_args: list[str], cases: list[str]) -
            str(REFUSE_SCRIPT), f"--out={out}", f"--model_dir={model_dir}", f"--cases={','.join(cases)}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert proc.returncode == 0 and out.exists(), f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0 and out.exists(), \
+        f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(out.read_text())
 
 

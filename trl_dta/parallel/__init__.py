@@ -13,12 +13,12 @@ the few operations the trainer calls (`trainers/_mixin.py` only dispatches):
   scoring call (TRL's `_get_per_token_logps_and_entropies`, DTA or dense path).
 - `backward_scale(accelerator)`: the factor `accelerator.backward` applies to the loss.
 
-| accelerate `distributed_type`  | strategy        | the engine runs on                 | gradients reduced                          |
-|--------------------------------|-----------------|------------------------------------|--------------------------------------------|
-| `NO`                           | `Local`         | the model                          | -                                          |
-| `MULTI_CPU`, `MULTI_GPU`, ...  | `DataParallel`  | the unwrapped model (no DDP hooks) | one bucketed all-reduce per window         |
-| `FSDP`, `fsdp_version: 2`      | `fsdp2.FSDP2`   | the model, groups gathered (below) | FSDP2's reduce-scatter, once per window    |
-| `DEEPSPEED`, ZeRO stage 0/1/2  | `zero.Zero`     | the model, replicated parameters   | DeepSpeed's own reduction, once per window |
+| accelerate `distributed_type` | strategy       | the engine runs on                 | gradients reduced             |
+|-------------------------------|----------------|------------------------------------|-------------------------------|
+| `NO`                          | `Local`        | the model                          | -                             |
+| `MULTI_CPU`, `MULTI_GPU`, ... | `DataParallel` | the unwrapped model (no DDP hooks) | one all-reduce pass per step  |
+| `FSDP`, `fsdp_version: 2`     | `fsdp2.FSDP2`  | the model, every group gathered    | one reduce-scatter per group  |
+| `DEEPSPEED`, ZeRO-0/1/2       | `zero.Zero`    | the model, replicated parameters   | one DeepSpeed backward (pass) |
 
 Refused at construction, each with the supported alternative: FSDP1 (`fsdp_version: 1`), FSDP2 with CPU offload or
 FSDP activation checkpointing, DeepSpeed ZeRO-3 or ZeRO offload, tensor/context/sequence parallelism, Megatron-LM,
@@ -39,20 +39,21 @@ def _fsdp(trainer, accelerator):
     version = getattr(plugin, "fsdp_version", 1)
     if version != 2:
         raise ValueError(
-            f"FSDP version {version} is not supported with DTA: FSDP1 flattens parameters into one buffer per unit "
-            "and cannot hold them gathered across the engine's calls. Use FSDP2 (`fsdp_version: 2` in the accelerate "
-            f"config, or `fsdp_config={{'version': 2}}` in the training arguments), {_FIX}"
+            f"FSDP version {version} is not supported with DTA: DTA's gathered optimizer step drives FSDP2's "
+            "parameter groups (`trl_dta.parallel.fsdp2`), not FSDP1's flat parameters. Use FSDP2 (`fsdp_version: 2` "
+            f"in the accelerate config, or `fsdp_config={{'version': 2}}` in the training arguments), {_FIX}"
         )
-    if type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy" or getattr(plugin.cpu_offload, "offload_params", False):
+    if type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy":
         raise ValueError(
-            "FSDP2 CPU offload (`fsdp_offload_params: true`) is not supported with DTA: the engine's many backward "
-            "calls per window would move every gradient through host memory each time. Turn offload off, or use "
+            "FSDP2 CPU offload (`fsdp_offload_params: true`) is not supported with DTA: the gathered optimizer step "
+            "(`trl_dta.parallel.fsdp2`) is untested with host-resident shards and gradients. Turn offload off, or use "
             f"DeepSpeed ZeRO-1/2, {_FIX}"
         )
     if plugin.activation_checkpointing:
         raise ValueError(
-            "FSDP activation checkpointing (`fsdp_activation_checkpointing: true`) is not supported with DTA: a "
-            "recomputed layer would not see the prefix keys/values the engine passes. Turn it off; DTA bounds "
+            "FSDP activation checkpointing (`fsdp_activation_checkpointing: true`) is not supported with DTA: it "
+            "recomputes a layer's forward during the backward, when the engine's key/value stack has moved on to "
+            "another path. Turn it off; DTA bounds "
             f"activation memory with its own block recompute (`dta_max_graph_tokens`), {_FIX}"
         )
     from .fsdp2 import FSDP2
@@ -97,8 +98,8 @@ def _check_parallelism(accelerator) -> None:
     if used:
         raise ValueError(
             f"accelerate's parallelism_config enables {', '.join(n.upper() for n in used)} parallelism, which splits "
-            "each sequence or layer across ranks; DTA's walk needs whole sequences and whole layers on a rank. Use data "
-            f"parallelism only (`dp_shard_size` / `dp_replicate_size`), {_FIX}"
+            "each sequence or layer across ranks; DTA's walk needs whole sequences and whole layers on a rank. Use "
+            f"data parallelism only (`dp_shard_size` / `dp_replicate_size`), {_FIX}"
         )
 
 
