@@ -38,8 +38,6 @@ padding; float64 where the device has it):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from .kernels import two_part_attention
@@ -53,9 +51,13 @@ _IGNORED_KWARGS = frozenset(
 )
 
 
-@dataclass
 class AttentionContext:
     """What one forward call of the model needs from (and gives back to) the engine.
+
+    A plain object on purpose, not a dataclass: it travels through the model's forward kwargs, and FSDP2's pre-forward
+    hook rebuilds every dataclass argument holding tensors that require grad (`dataclasses.replace`), so a dataclass
+    would be copied at every layer once the stack holds a previous layer's keys/values and `record`/`calls` would be
+    filled in copies the engine never sees. FSDP2 does not look inside other objects.
 
     Args:
         stack (`KVStack`): keys/values of the path the new tokens continue.
@@ -70,12 +72,20 @@ class AttentionContext:
         backend (`str`, *optional*, defaults to `"sdpa"`): the attention backend, one of `kernels.BACKENDS`.
     """
 
-    stack: KVStack
-    record: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    calls: int = 0
-    positions: torch.Tensor | None = None
-    key_end: torch.Tensor | None = None
-    backend: str = "sdpa"
+    __slots__ = ("stack", "record", "calls", "positions", "key_end", "backend")
+
+    def __init__(self, stack: KVStack, positions: torch.Tensor | None = None, key_end: torch.Tensor | None = None,
+                 backend: str = "sdpa"):
+        self.stack = stack
+        self.record: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.calls = 0
+        self.positions = positions
+        self.key_end = key_end
+        self.backend = backend
+
+    def __repr__(self) -> str:
+        return (f"AttentionContext(path_len={self.stack.length}, calls={self.calls}, backend={self.backend!r}, "
+                f"packed={self.positions is not None})")
 
 
 def dta_attention(

@@ -6,6 +6,10 @@ its rows are replaced by a slice of one fixed global batch (seeded prompts, comp
 itself differs between process counts (each rank draws from its own generator). The final trainable parameters are
 saved by rank 0.
 
+Under FSDP (`accelerate launch --use_fsdp --fsdp_version 2 ...`) the CPU upgrade of `cpu_engines.py` makes the sharding
+real; `--variants` then trains several configurations one after the other in one launch (`VARIANTS`: TRL's trainer,
+DTA's defaults, DTA walking every segment), each from the saved model, into `<out stem>-<variant>.pt`.
+
     accelerate launch --multi_gpu --num_processes 2 tests/trainers/dist_run.py --out a.pt --trainer grpo --dta 1
 """
 
@@ -21,8 +25,16 @@ from accelerate import PartialState
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import PAD, build_tokenizer, make_args  # noqa: E402
+from cpu_engines import CollectiveCounter, assert_fsdp2, enable_cpu_engines  # noqa: E402
 
 GROUPS, G, PROMPT, COMPLETION = 4, 4, (10, 24), (1, 7)
+# `--variants`: the `dta_*` settings of each (`trl`: TRL's trainer). `_walk`: every segment its own engine call
+# (`dta_max_pack_tokens=0`), so that a step runs many forward and backward calls.
+VARIANTS = {
+    "trl": {},
+    "dta": {},
+    "dta_walk": {"dta_max_pack_tokens": 0},
+}
 
 
 def fixed_batch(vocab: int, device) -> dict:
@@ -102,8 +114,20 @@ def main() -> None:
     parser.add_argument("--spg", type=int, default=2, help="steps_per_generation")
     parser.add_argument("--ga", type=int, default=2, help="gradient_accumulation_steps")
     parser.add_argument("--model_dir", required=True)
+    parser.add_argument("--variants", default="", help="comma-separated: trl, dta, dta_layer (overrides --dta)")
+    parser.add_argument("--expect", default="", help="fsdp2 or deepspeed: assert that this engine really ran")
     args = parser.parse_args()
+    enable_cpu_engines()
+    if not args.variants:
+        train_one(args, args.dta, {}, args.out)
+        return
+    variants = args.variants.split(",")
+    for variant in variants:
+        out = Path(args.out).with_name(f"{Path(args.out).stem}-{variant}.pt")
+        train_one(args, int(variant != "trl"), VARIANTS[variant], out, last=variant == variants[-1])
 
+
+def train_one(args, dta: int, extra: dict, out, last: bool = True) -> None:
     from datasets import Dataset
 
     if args.trainer == "grpo":
@@ -111,20 +135,20 @@ def main() -> None:
 
         from trl_dta import DTAGRPOConfig, DTAGRPOTrainer
 
-        cls, config_cls = (DTAGRPOTrainer, DTAGRPOConfig) if args.dta else (GRPOTrainer, GRPOConfig)
+        cls, config_cls = (DTAGRPOTrainer, DTAGRPOConfig) if dta else (GRPOTrainer, GRPOConfig)
     else:
         from trl import RLOOConfig, RLOOTrainer
 
         from trl_dta import DTARLOOConfig, DTARLOOTrainer
 
-        cls, config_cls = (DTARLOOTrainer, DTARLOOConfig) if args.dta else (RLOOTrainer, RLOOConfig)
+        cls, config_cls = (DTARLOOTrainer, DTARLOOConfig) if dta else (RLOOTrainer, RLOOConfig)
     tokenizer = build_tokenizer()
     dataset = Dataset.from_dict({"prompt": [f"prompt number {i}: a+b=" for i in range(GROUPS * 4)]})
     per_device = GROUPS * G // (args.spg * args.processes)  # `spg` micro-batches per generation, any process count
-    extra = dict(dta_cost_model=args.cost_model) if args.dta else {}  # otherwise DTA's defaults
+    extra = {**extra, "dta_cost_model": args.cost_model} if dta else {}  # otherwise DTA's defaults
     config = make_args(
         config_cls,
-        Path(args.out).parent / f"run-{Path(args.out).stem}",
+        Path(out).parent / f"run-{Path(out).stem}",
         args.steps,
         per_device_train_batch_size=per_device,
         steps_per_generation=args.spg,
@@ -147,17 +171,32 @@ def main() -> None:
         processing_class=tokenizer,
         peft_config=peft_config,
     )
+    counter = CollectiveCounter()
+    counter.count_training(trainer)
     state = PartialState()  # initialised by the trainer (use_cpu=True: a gloo group on CPU)
     assert state.num_processes == args.processes, f"expected {args.processes} processes, got {state.num_processes}"
     trainer.train()
-    if args.dta and args.cost_model == "fit":
+    if dta and args.cost_model == "fit":
         model = trainer._dta_cost_model
         assert model.fixed_cost > 0 or model.token_cost != 1.0, f"the cost model was not refitted: {model}"
+    if args.expect == "fsdp2":
+        assert_fsdp2(trainer)
+    elif args.expect == "deepspeed":
+        assert_deepspeed(trainer)
+    if dta:
+        assert trainer._dta_parallel.name == (args.expect or ("ddp" if args.processes > 1 else "local"))
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    groups = list({id(g): g for m in model.modules() if hasattr(m, "_get_fsdp_state")  # a grouped unit: once
+                   for g in m._get_fsdp_state()._fsdp_param_groups if g.fsdp_params}.values())
+    counts = {**counter.counts, "groups": len(groups),
+              "trainable_groups": sum(any(p.sharded_param.requires_grad for p in g.fsdp_params) for g in groups)}
+    params = {n: full(p) for n, p in model.named_parameters() if p.requires_grad}  # collective under FSDP
     if state.is_main_process:
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        params = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
         logs = [e for e in trainer.state.log_history if "loss" in e]
-        torch.save({"params": params, "logs": logs}, args.out)
+        torch.save({"params": params, "logs": logs, "collectives": counts, "steps": args.steps}, out)
+    if not last:
+        state.wait_for_everyone()
+        return
     if state.num_processes > 1:
         # Leave without destructors: freeing the gloo process group can deadlock at exit in torch 2.13 (its
         # destructor joins worker threads while holding the GIL; see recipes/grpo.py). Everything is saved.
@@ -166,6 +205,23 @@ def main() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def full(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole value on CPU (an FSDP2 DTensor gathered from its shards)."""
+    from torch.distributed.tensor import DTensor
+
+    p = p.detach()
+    return (p.full_tensor() if isinstance(p, DTensor) else p).cpu().clone()
+
+
+def assert_deepspeed(trainer) -> None:
+    """The trainer really ran under DeepSpeed: accelerate's state says so and the model is a DeepSpeed engine."""
+    from accelerate.utils import DistributedType
+
+    assert trainer.accelerator.distributed_type == DistributedType.DEEPSPEED, trainer.accelerator.distributed_type
+    assert trainer.is_deepspeed_enabled and type(trainer.model_wrapped).__name__ == "DeepSpeedEngine", \
+        type(trainer.model_wrapped).__name__
 
 
 if __name__ == "__main__":

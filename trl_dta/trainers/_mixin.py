@@ -10,7 +10,8 @@
   buffered run as one forest through `DTAEngine.forward_backward` (`step_forest.py`), which back-propagates while it
   walks the tree; every micro-step then replays its own micro-batch's log-probs through TRL's `_compute_loss` for its
   logged loss and metrics.
-- `training_step`: tracks the window, and under DDP reduces the gradients once per window.
+- `training_step`: tracks the window; the distributed engine's strategy (`trl_dta.parallel`: DDP, FSDP2, DeepSpeed
+  ZeRO, chosen from what accelerate set up) gathers at its start and reduces the gradients once at its end.
 
 TRL's loss is a sum of per-sequence terms (`losses.py`), each computed at its leaf with the constants of the
 micro-batch the sequence belongs to. Objectives that are not such a sum (`top_entropy_quantile < 1`, or a subclass
@@ -51,9 +52,9 @@ from trl.trainer.utils import (
 from .. import _checks
 from ..balance import CostModel, forest_stats
 from ..batch import Layout, group_ids, has_vision_inputs, num_rows
-from ..distributed import all_reduce_gradients, trainable_parameters
 from ..engine import DTAEngine
 from ..lm_head import HeadSpec
+from ..parallel import strategy_for
 from ..tree import PrefixTree
 from .config import _OFF, DTAArguments, check_trainer_args, check_trl_version
 from .layouts import expand_per_turn, per_turn_micro_batches
@@ -151,6 +152,7 @@ class DTATrainerMixin:
         """Checks that need the built trainer (model, processing class); builds the policy's engine."""
         if not self._dta.dta_enabled:
             return
+        self._dta_parallel = strategy_for(self)  # refuses an unsupported distributed setting, whatever its source
         if self._is_vlm:
             raise ValueError(f"DTA supports text-only models; vision-language inputs need TRL's dense path: {_OFF}")
         if self.aux_loss_enabled:
@@ -265,7 +267,19 @@ class DTATrainerMixin:
 
     # ------------------------------------------------------------------ no-grad scoring
 
-    def _get_per_token_logps_and_entropies(
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        if self._dta_replay_values is not None:
+            logps, entropies = self._dta_replay_values
+            return logps, entropies if compute_entropy else None, None
+        args = (model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss)
+        if not self._dta.dta_enabled:
+            return super()._get_per_token_logps_and_entropies(*args, **multimodal)
+        # Under FSDP2, the model is gathered for the call on every rank alike, whichever path runs (`parallel.fsdp2`).
+        with self._dta_parallel.scoring(model):
+            return self._dta_score(*args, **multimodal)
+
+    def _dta_score(
         self,
         model,
         input_ids,
@@ -276,12 +290,9 @@ class DTATrainerMixin:
         compute_aux_loss=False,
         **multimodal,
     ):
-        if self._dta_replay_values is not None:
-            logps, entropies = self._dta_replay_values
-            return logps, entropies if compute_entropy else None, None
+        """TRL's `_get_per_token_logps_and_entropies`, through the engine for no-grad calls whose batch compresses."""
         if (
-            self._dta.dta_enabled
-            and not torch.is_grad_enabled()
+            not torch.is_grad_enabled()
             and not compute_aux_loss
             and all(v is None for v in multimodal.values())
         ):
@@ -290,7 +301,7 @@ class DTATrainerMixin:
                 tree = PrefixTree.from_sequences(layout.seqs)
                 if tree.compression_ratio >= self._dta.dta_min_compression:
                     engine = self._dta_engine(self.accelerator.unwrap_model(model))
-                    with self.accelerator.autocast():
+                    with self.accelerator.autocast(), self._dta_parallel.engine_call(engine, model, False):
                         out = engine.logprobs(
                             tree, temperature=self.temperature, entropy=compute_entropy, n_scored=layout.lengths
                         )
@@ -335,22 +346,21 @@ class DTATrainerMixin:
     # ------------------------------------------------------------------ training
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        """Tracks the accumulation window. Under DDP, every micro-step runs without DDP's synchronisation (the engine
-        back-propagates on the unwrapped model, which DDP's reducer never sees), and the gradients are averaged once,
-        explicitly, at the end of the window (dense-path micro-steps included, so all ranks reduce the same way)."""
+        """Tracks the accumulation window; the distributed strategy (`trl_dta.parallel`) begins it (FSDP2: groups
+        gathered), wraps each micro-step (DDP: `no_sync`) and ends it with one gradient reduction (dense-path
+        micro-steps included, so all ranks reduce the same way)."""
         if not self._dta.dta_enabled:
             return super().training_step(model, inputs, num_items_in_batch)
-        distributed = self.accelerator.num_processes > 1
-        with self.accelerator.no_sync(model) if distributed else contextlib.nullcontext():
+        if self._dta_window_position == 0:
+            self._dta_parallel.begin_window(model)
+        with self._dta_parallel.micro_step(model):
             loss = super().training_step(model, inputs, num_items_in_batch)
         if not self.accelerator.sync_gradients:
             self._dta_window_position += 1
             return loss
         self._dta_window_position = 0
         self._dta_micro_steps.clear()
-        if distributed:
-            all_reduce_gradients(trainable_parameters(self.accelerator.unwrap_model(model)),
-                                 self.accelerator.num_processes)
+        self._dta_parallel.end_window(model)
         if self._dta_step_time:
             self._metrics["train"]["dta/step_time"].append(self._dta_step_time)
             self._dta_step_time = 0.0
@@ -376,7 +386,7 @@ class DTATrainerMixin:
         self._metrics["train"]["dta/compression_ratio_micro_batch"].append(micro_step.compression)
         with torch.no_grad(), self._dta_replay(micro_step.logps, micro_step.entropies):
             loss = self._compute_loss(model, inputs)  # the logged value and TRL's metrics
-        return loss.detach().requires_grad_()
+        return loss.detach().requires_grad_().clone()  # a `grad_fn` that reaches no parameter (DeepSpeed asks one)
 
     def _dta_sequence_loss(self, inputs: dict, scale: float):
         """The per-sequence objective of a micro-batch, or None when the loss is not a sum over sequences."""
@@ -392,7 +402,7 @@ class DTATrainerMixin:
                 self.compute_loss_func is not None
             )
         scale = 1.0 if scaled else 1.0 / self.current_gradient_accumulation_steps
-        return scale / self.accelerator.gradient_accumulation_steps
+        return scale * self._dta_parallel.backward_scale(self.accelerator)
 
     def _dta_run_window(self, model, inputs: dict, num_items_in_batch) -> None:
         """Forward and backward of the window's buffered micro-batches, from this micro-step on, as one forest.
@@ -428,17 +438,18 @@ class DTATrainerMixin:
         terms = [self._dta_sequence_loss(batch, scale) for batch in forest.batches]
         out_device = inputs["completion_ids"].device
         run = dict(temperature=self.temperature, n_scored=forest.n_scored)
+        call = self._dta_parallel.engine_call
         # Autocast covers the model computation only, as in TRL's `_get_per_token_logps_and_entropies`.
         if all(term is not None for term in terms):
-            with self.accelerator.autocast():
+            with self.accelerator.autocast(), call(engine, model, True):
                 out = engine.forward_backward(forest.tree, forest.objective(terms), entropy=True, **run)
             forward_tokens = out.stats["forward_tokens"]
         else:
-            with self.accelerator.autocast():
+            with self.accelerator.autocast(), call(engine, model, False):
                 out = engine.logprobs(forest.tree, entropy=True, **run)
             forward_tokens = out.stats["forward_tokens"]
             surrogate, entropy = self._dta_surrogate(model, forest, out, scale, out_device)
-            with self.accelerator.autocast():
+            with self.accelerator.autocast(), call(engine, model, True):
                 forward_tokens += engine.forward_backward(forest.tree, surrogate, entropy=entropy,
                                                           **run).stats["forward_tokens"]
         logps = forest.split(out.logps, out_device)

@@ -373,11 +373,6 @@ def check_trainer_args(args) -> None:
             "`fp16=True` is not supported with DTA: the engine back-propagates inside `compute_loss`, outside the fp16 "
             f"gradient scaler. Use `bf16=True` or float32, {_OFF}"
         )
-    if args.deepspeed or args.fsdp:
-        raise ValueError(
-            "DeepSpeed and FSDP are not supported with DTA: the engine runs on the unwrapped model and needs every "
-            f"parameter materialised. Use plain data parallelism, {_OFF}"
-        )
     if args.use_liger_kernel:
         raise ValueError(
             "`use_liger_kernel=True` is not supported with DTA: Liger replaces the model's layers with kernels whose "

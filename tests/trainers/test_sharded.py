@@ -1,0 +1,131 @@
+"""DTA under FSDP2 and DeepSpeed ZeRO trains exactly what TRL's trainer trains under the same engine (2 processes).
+
+Each launch is `dist_run.py` under `accelerate launch` with the engine's flags, `cpu_engines.py` making FSDP2 and
+DeepSpeed real on CPU (every run asserts that they ran: DTensor parameters, a DeepSpeed engine); one launch trains
+TRL's trainer and DTA's, one after the other, on the same fixed global batch, and the parameters after several SGD
+steps are compared to the update. Under FSDP2 the runs also count the optimizer steps' collectives: DTA's gathered
+window costs one all-gather per FSDP group and one reduce-scatter per trainable group per step, whatever the trees.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from .test_distributed import ROOT, SCRIPT, compare, free_port, model_dir  # noqa: F401  (model_dir: a fixture)
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+FSDP2 = ["--use_fsdp", "--fsdp_version=2", "--fsdp_auto_wrap_policy=TRANSFORMER_BASED_WRAP",
+         "--fsdp_state_dict_type=FULL_STATE_DICT", "--fsdp_reshard_after_forward=true"]
+
+
+def zero(stage: int) -> list[str]:
+    return ["--use_deepspeed", f"--zero_stage={stage}", "--gradient_clipping=0.0"]  # 1.0 would rescale the updates
+
+
+def launch(tmp_path, model_dir: str, engine: list[str], variants: str, expect: str, **flags) -> dict:
+    """One `accelerate launch` of `dist_run.py` on 2 processes; returns each variant's saved run."""
+    out = tmp_path / "run.pt"
+    args = [f"--{k}={v}" for k, v in flags.items()]
+    args += [f"--out={out}", "--processes=2", f"--model_dir={model_dir}", f"--variants={variants}",
+             f"--expect={expect}"]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *engine, "--num_processes=2", "--num_machines=1",
+           "--mixed_precision=no", "--dynamo_backend=no", f"--main_process_port={free_port()}", str(SCRIPT), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return {v: torch.load(tmp_path / f"run-{v}.pt") for v in variants.split(",")}
+
+
+def initial_values(model_dir: str, runs: dict, peft: int) -> dict:
+    ref = runs["trl"]
+    if peft:  # LoRA B starts at zero
+        return {n: torch.zeros_like(p) for n, p in ref["params"].items() if "lora_B" in n}
+    from transformers import AutoModelForCausalLM
+
+    return {n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(model_dir).named_parameters()}
+
+
+@pytest.mark.parametrize(("trainer", "peft", "variants"), [
+    ("grpo", 0, "trl,dta,dta_walk"),
+    ("grpo", 1, "trl,dta"),
+    ("rloo", 0, "trl,dta"),
+    ("rloo", 1, "trl,dta"),
+], ids=["grpo-full", "grpo-lora", "rloo-full", "rloo-lora"])
+def test_fsdp2_matches_trl_under_fsdp2(tmp_path, model_dir, trainer, peft, variants):
+    runs = launch(tmp_path, model_dir, FSDP2, variants, "fsdp2", trainer=trainer, peft=peft, steps=3)
+    initial = initial_values(model_dir, runs, peft)
+    for variant in variants.split(",")[1:]:
+        run = runs[variant]
+        assert compare(runs["trl"], run, initial) <= 1e-4
+        assert all(log["dta/dense_fallback"] == 0.0 for log in run["logs"])
+        counts, steps = run["collectives"], run["steps"]
+        assert counts["all_gather"] == counts["groups"] * steps, counts
+        assert counts["reduce_scatter"] == counts["trainable_groups"] * steps, counts
+        assert counts["all_gather"] < runs["trl"]["collectives"]["all_gather"]
+    if "dta_walk" in runs:  # every segment its own engine call: many more forward/backward calls, same collectives
+        assert runs["dta_walk"]["collectives"] == runs["dta"]["collectives"]
+
+
+@pytest.mark.parametrize(("stage", "trainer", "peft"), [(2, "grpo", 0), (2, "rloo", 1), (1, "grpo", 1), (0, "rloo", 0)],
+                         ids=["zero2-grpo-full", "zero2-rloo-lora", "zero1-grpo-lora", "zero0-rloo-full"])
+def test_zero_matches_trl_under_zero(tmp_path, model_dir, stage, trainer, peft):
+    runs = launch(tmp_path, model_dir, zero(stage), "trl,dta", "deepspeed", trainer=trainer, peft=peft, steps=3)
+    compare(runs["trl"], runs["dta"], initial_values(model_dir, runs, peft))
+    assert all(log["dta/dense_fallback"] == 0.0 for log in runs["dta"]["logs"])
+
+
+REFUSE_SCRIPT = SCRIPT.with_name("refuse_run.py")
+# case -> (accelerate's distributed type the trainer saw, what the error names: the setting and the alternative)
+REFUSED = {
+    "args_fsdp1": ("FSDP", ["FSDP version 1", "fsdp_version: 2"]),
+    "env_fsdp_offload": ("FSDP", ["CPU offload", "DeepSpeed ZeRO-1/2"]),
+    "code_plugin": ("FSDP", ["activation checkpointing", "dta_max_graph_tokens"]),
+    "args_zero3": ("DEEPSPEED", ["ZeRO-3", "ZeRO-2", "FSDP2"]),
+    "launch": ("DEEPSPEED", ["ZeRO-3", "ZeRO-2", "FSDP2"]),
+}
+ZERO3_CONFIG = """compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+deepspeed_config:
+  zero_stage: 3
+  gradient_clipping: 0.0
+  zero3_init_flag: false
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 2
+"""
+
+
+def refuse(tmp_path, model_dir: str, launch_args: list[str], cases: list[str]) -> dict:
+    import json
+
+    out = tmp_path / "refused.json"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch_args, f"--main_process_port={free_port()}",
+           str(REFUSE_SCRIPT), f"--out={out}", f"--model_dir={model_dir}", f"--cases={','.join(cases)}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0 and out.exists(), \
+        f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(out.read_text())
+
+
+def test_unsupported_settings_refused_at_construction_from_every_source(tmp_path, model_dir):
+    """FSDP1 from `TrainingArguments.fsdp`, FSDP2 offload from `ACCELERATE_*` variables, FSDP activation checkpointing
+    from a plugin passed in code, ZeRO-3 from `TrainingArguments.deepspeed` and from an accelerate config file: each
+    refused by the trainer's constructor, from the state accelerate set up, with the error naming the alternative."""
+    cases = ["args_fsdp1", "env_fsdp_offload", "code_plugin", "args_zero3"]
+    results = refuse(tmp_path, model_dir, ["--multi_gpu", "--num_processes=2", "--num_machines=1",
+                                           "--mixed_precision=no", "--dynamo_backend=no"], cases)
+    config = tmp_path / "zero3.yaml"
+    config.write_text(ZERO3_CONFIG)
+    results.update(refuse(tmp_path, model_dir, [f"--config_file={config}"], ["launch"]))
+    for case, (kind, words) in REFUSED.items():
+        result = results[case]
+        assert result["raised"] == "ValueError", (case, result)
+        assert result["distributed_type"] == f"DistributedType.{kind}", (case, result)
+        assert all(word in result["message"] for word in words), (case, result["message"])

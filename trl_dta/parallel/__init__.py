@@ -1,0 +1,121 @@
+"""Distributed engines under DTA: what each of accelerate's distributed types needs, read from the state accelerate
+actually set up.
+
+The engine runs many forward and backward calls per optimizer window, on the model's submodules (the decoder, the LM
+head) rather than through a wrapper's forward, so every distributed engine needs its own handling of (1) what is
+gathered while the engine runs and (2) how the window's gradients are reduced. One strategy object per kind, with
+the few operations the trainer calls (`trainers/_mixin.py` only dispatches):
+
+- `begin_window(model)` / `end_window(model)`: at the first micro-step of an optimizer window and after its last one
+  (`end_window` reduces the gradients).
+- `micro_step(model)`: a context around each micro-step.
+- `engine_call(engine, model, train)`: a context around each engine call; `scoring(model)` around each no-grad
+  scoring call (TRL's `_get_per_token_logps_and_entropies`, DTA or dense path).
+- `backward_scale(accelerator)`: the factor `accelerator.backward` applies to the loss.
+
+| accelerate `distributed_type` | strategy       | the engine runs on                 | gradients reduced             |
+|-------------------------------|----------------|------------------------------------|-------------------------------|
+| `NO`                          | `Local`        | the model                          | -                             |
+| `MULTI_CPU`, `MULTI_GPU`, ... | `DataParallel` | the unwrapped model (no DDP hooks) | one all-reduce pass per step  |
+| `FSDP`, `fsdp_version: 2`     | `fsdp2.FSDP2`  | the model, every group gathered    | one reduce-scatter per group  |
+| `DEEPSPEED`, ZeRO-0/1/2       | `zero.Zero`    | the model, replicated parameters   | one DeepSpeed backward (pass) |
+
+Refused at construction, each with the supported alternative: FSDP1 (`fsdp_version: 1`), FSDP2 with CPU offload or
+FSDP activation checkpointing, DeepSpeed ZeRO-3 or ZeRO offload, tensor/context/sequence parallelism, Megatron-LM,
+XLA. The table is keyed on what accelerate set up (`accelerator.distributed_type`, its FSDP and DeepSpeed plugins),
+whatever the source: `TrainingArguments.fsdp` / `deepspeed`, an accelerate config file, `ACCELERATE_*` environment
+variables, or plugins passed in code.
+"""
+
+from __future__ import annotations
+
+from .ddp import DataParallel, Local
+
+_FIX = "or set `dta_enabled=False` to train with the TRL trainer's dense path."
+
+
+def _fsdp(trainer, accelerator):
+    plugin = accelerator.state.fsdp_plugin
+    version = getattr(plugin, "fsdp_version", 1)
+    if version != 2:
+        raise ValueError(
+            f"FSDP version {version} is not supported with DTA: DTA's gathered optimizer step drives FSDP2's "
+            "parameter groups (`trl_dta.parallel.fsdp2`), not FSDP1's flat parameters. Use FSDP2 (`fsdp_version: 2` "
+            f"in the accelerate config, or `fsdp_config={{'version': 2}}` in the training arguments), {_FIX}"
+        )
+    if type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy":
+        raise ValueError(
+            "FSDP2 CPU offload (`fsdp_offload_params: true`) is not supported with DTA: the gathered optimizer step "
+            "(`trl_dta.parallel.fsdp2`) is untested with host-resident shards and gradients. Turn offload off, or use "
+            f"DeepSpeed ZeRO-1/2, {_FIX}"
+        )
+    if plugin.activation_checkpointing:
+        raise ValueError(
+            "FSDP activation checkpointing (`fsdp_activation_checkpointing: true`) is not supported with DTA: it "
+            "recomputes a layer's forward during the backward, when the engine's key/value stack has moved on to "
+            "another path. Turn it off; DTA bounds "
+            f"activation memory with its own block recompute (`dta_max_graph_tokens`), {_FIX}"
+        )
+    from .fsdp2 import FSDP2
+
+    return FSDP2()
+
+
+def _deepspeed(trainer, accelerator):
+    from .zero import Zero
+
+    return Zero.from_accelerator(accelerator)
+
+
+def _refuse(kind: str, alternative: str):
+    def refuse(trainer, accelerator):
+        raise ValueError(f"{kind} is not supported with DTA. {alternative}, {_FIX}")
+
+    return refuse
+
+
+def _data_parallel(trainer, accelerator):
+    return DataParallel(accelerator) if accelerator.num_processes > 1 else Local()
+
+
+# accelerate `DistributedType` value -> factory (trainer, accelerator) -> strategy.
+STRATEGIES = {
+    "NO": lambda trainer, accelerator: Local(),
+    **{kind: _data_parallel for kind in ("MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA",
+                                         "MULTI_MUSA", "MULTI_XPU", "MULTI_HPU", "MULTI_NEURON")},
+    "FSDP": _fsdp,
+    "DEEPSPEED": _deepspeed,
+    "MEGATRON_LM": _refuse("Megatron-LM", "Use FSDP2 (`fsdp_version: 2`), DeepSpeed ZeRO-1/2 or DDP"),
+    "XLA": _refuse("XLA (TPU)", "Use a GPU or CPU device with DDP, FSDP2 or DeepSpeed ZeRO-1/2"),
+}
+
+
+def _check_parallelism(accelerator) -> None:
+    config = getattr(accelerator, "parallelism_config", None)
+    if config is None:
+        return
+    used = [name for name in ("tp", "cp", "sp") if getattr(config, f"{name}_enabled", False)]
+    if used:
+        raise ValueError(
+            f"accelerate's parallelism_config enables {', '.join(n.upper() for n in used)} parallelism, which splits "
+            "each sequence or layer across ranks; DTA's walk needs whole sequences and whole layers on a rank. Use "
+            f"data parallelism only (`dp_shard_size` / `dp_replicate_size`), {_FIX}"
+        )
+
+
+def strategy_for(trainer):
+    """The strategy for what the trainer's accelerator actually set up; refuses an unsupported setting (at
+    construction: call it once the TRL trainer is built)."""
+    accelerator = trainer.accelerator
+    kind = getattr(accelerator.distributed_type, "name", str(accelerator.distributed_type))
+    factory = STRATEGIES.get(kind)
+    if factory is None:
+        raise ValueError(
+            f"accelerate distributed_type {kind} is not supported with DTA; supported: DDP (MULTI_CPU, MULTI_GPU, "
+            f"...), FSDP2 and DeepSpeed ZeRO-0/1/2, {_FIX}"
+        )
+    _check_parallelism(accelerator)
+    return factory(trainer, accelerator)
+
+
+__all__ = ["STRATEGIES", "DataParallel", "Local", "strategy_for"]

@@ -1,0 +1,54 @@
+"""The strategies without sharding: one process ([`Local`], also the base of every strategy: its no-op operations)
+and DDP ([`DataParallel`]: replicas, one explicit all-reduce per optimizer window)."""
+
+from __future__ import annotations
+
+import contextlib
+
+from ..distributed import all_reduce_gradients, trainable_parameters
+
+
+class Local:
+    """One process: nothing to gather or reduce."""
+
+    name = "local"
+
+    def begin_window(self, model) -> None:
+        pass
+
+    def end_window(self, model) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def micro_step(self, model):
+        yield
+
+    @contextlib.contextmanager
+    def engine_call(self, engine, model, train: bool):
+        yield
+
+    @contextlib.contextmanager
+    def scoring(self, model):
+        yield
+
+    @staticmethod
+    def backward_scale(accelerator) -> float:
+        return 1.0 / accelerator.gradient_accumulation_steps
+
+
+class DataParallel(Local):
+    """DDP: every rank holds a replica. The engine back-propagates on the unwrapped model, which DDP's reducer never
+    sees (it arms its hooks in its own `forward`), so every micro-step runs under `no_sync` and the gradients are
+    averaged once per window, explicitly (`distributed.all_reduce_gradients`: bucketed, flattened all-reduces)."""
+
+    name = "ddp"
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+
+    def micro_step(self, model):
+        return self.accelerator.no_sync(model)
+
+    def end_window(self, model) -> None:
+        all_reduce_gradients(trainable_parameters(self.accelerator.unwrap_model(model)),
+                             self.accelerator.num_processes)
