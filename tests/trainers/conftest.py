@@ -107,8 +107,18 @@ class Run:
     final: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def make_args(config_cls, output_dir: Path, steps: int = 2, **config):
-    """The tests' config: small batches, SGD (parameter updates proportional to the gradients), float32 on CPU."""
+# The precision regimes of the equivalence tests. "fp32" pins `bf16=False`: float32 throughout, DTA's update equal to
+# TRL's within float32 rounding. "trl" keeps TRL's default `bf16=True`: the model given by name loads in float32 and
+# trains and scores under bf16 autocast, as a user runs it; DTA is judged by the dense path's own bf16 error
+# (`assert_bf16_bar`).
+PRECISIONS = ("fp32", "trl")
+
+
+def make_args(config_cls, output_dir: Path, steps: int = 2, precision: str = "fp32", **config):
+    """The tests' config: small batches, SGD (parameter updates proportional to the gradients) on CPU, float32
+    (`precision="fp32"`) or TRL's default bf16 autocast (`precision="trl"`)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     defaults = dict(
         output_dir=str(output_dir),
         per_device_train_batch_size=4,
@@ -122,19 +132,23 @@ def make_args(config_cls, output_dir: Path, steps: int = 2, **config):
         lr_scheduler_type="constant",
         logging_steps=1,
         report_to="none",
-        bf16=False,
         use_cpu=True,
         gradient_checkpointing=False,
         save_strategy="no",
         seed=0,
         disable_tqdm=True,
     )
+    if precision == "fp32":
+        defaults["bf16"] = False
     defaults.update(config)
-    return config_cls(**defaults)
+    args = config_cls(**defaults)
+    if precision == "trl":
+        assert args.bf16 and not args.fp16, "TRL's default precision is bf16 autocast"
+    return args
 
 
 def train(trainer_cls, config_cls, model_dir, tokenizer, dataset, output_dir: Path, steps: int = 2,
-          trainer_kwargs: dict | None = None, setup=None, **config) -> Run:
+          trainer_kwargs: dict | None = None, setup=None, precision: str = "fp32", **config) -> Run:
     """Train `steps` optimizer steps; records every generated completion (through the reward function)."""
     completions: list[list[int]] = []
 
@@ -142,7 +156,7 @@ def train(trainer_cls, config_cls, model_dir, tokenizer, dataset, output_dir: Pa
         completions.extend(list(ids) for ids in completion_ids)
         return [reward_from_ids(ids) for ids in completion_ids]
 
-    args = make_args(config_cls, output_dir, steps, **config)
+    args = make_args(config_cls, output_dir, steps, precision, **config)
     trainer = trainer_cls(
         model=model_dir,
         reward_funcs=reward,
@@ -211,3 +225,52 @@ def assert_equivalent(ref: Run, dta: Run, rtol: float = 1e-5, atol: float = 1e-6
         assert err <= rtol, f"{name}: parameter update differs by {err:.2e} (relative to the update)"
     assert moved > 0, "no parameter moved: the comparison would be vacuous"
     return worst
+
+
+def update_gap(a: Run, b: Run) -> float:
+    """`||u_a - u_b|| / ||u_b||`, the relative difference of two runs' parameter updates `u = final - initial` over
+    all trained parameters together."""
+    assert a.final.keys() == b.final.keys()
+    num = sum(((a.final[n] - a.initial[n]) - (b.final[n] - b.initial[n])).double().pow(2).sum() for n in b.final)
+    den = sum((b.final[n] - b.initial[n]).double().pow(2).sum() for n in b.final)
+    assert den > 0, "no parameter moved: the comparison would be vacuous"
+    return float((num / den).sqrt())
+
+
+def assert_bf16_bar(trl_bf16: Run, trl_fp32: Run, dta_bf16: Run) -> dict[str, float]:
+    """DTA under TRL's default precision is as close to TRL's bf16 update as TRL's bf16 update is to TRL's float32
+    one: `gap(DTA bf16, TRL bf16) <= gap(TRL bf16, TRL fp32)` (`update_gap`). All three generated the same completions
+    (else the gaps would measure sampling, not precision), and the bf16 runs really ran under bf16 autocast.
+    Returns both gaps."""
+    for run in (trl_bf16, dta_bf16):
+        assert run.trainer.args.bf16 and run.trainer.accelerator.mixed_precision == "bf16"
+    assert trl_fp32.trainer.accelerator.mixed_precision == "no"
+    assert trl_bf16.completions == trl_fp32.completions, "bf16 and float32 TRL generated different completions"
+    assert dta_bf16.completions == trl_bf16.completions, "DTA and TRL generated different completions in bf16"
+    gaps = {"dta_vs_trl_bf16": update_gap(dta_bf16, trl_bf16), "trl_bf16_vs_fp32": update_gap(trl_bf16, trl_fp32)}
+    assert gaps["trl_bf16_vs_fp32"] > 0, "TRL's bf16 update equals its float32 one: bf16 did not run"
+    assert gaps["dta_vs_trl_bf16"] <= gaps["trl_bf16_vs_fp32"], (
+        f"DTA's bf16 update differs from TRL's by {gaps['dta_vs_trl_bf16']:.3g}, more than TRL's bf16 update differs "
+        f"from its float32 one ({gaps['trl_bf16_vs_fp32']:.3g})"
+    )
+    return gaps
+
+
+def compare_in_precision(precision: str, ref_cls, ref_config, dta_cls, dta_config_cls, model_dir, tokenizer, dataset,
+                         tmp_path: Path, update_rtol: float = 1e-4, check_metrics: bool = True,
+                         dta_config: dict | None = None, **config) -> tuple[Run, Run]:
+    """Train TRL's trainer and DTA's on the same data in `precision` and compare them: "fp32" as `assert_equivalent`
+    (updates within `update_rtol`), "trl" by `assert_bf16_bar` (a float32 TRL run added). Returns `(TRL, DTA)`."""
+    ref = train(ref_cls, ref_config, model_dir, tokenizer, dataset, tmp_path / "trl", precision=precision, **config)
+    dta = train(dta_cls, dta_config_cls, model_dir, tokenizer, dataset, tmp_path / "dta", precision=precision,
+                **config, **(dta_config or {}))
+    assert all(entry["dta/dense_fallback"] == 0.0 for entry in dta.logs if "dta/dense_fallback" in entry)
+    assert any("dta/tree_tokens" in entry for entry in dta.logs), "no micro-batch ran through DTA"
+    if precision == "fp32":
+        assert_params_close(ref, dta)
+        assert_equivalent(ref, dta, rtol=update_rtol, compare_metrics=check_metrics)
+    else:
+        fp32 = train(ref_cls, ref_config, model_dir, tokenizer, dataset, tmp_path / "trl_fp32", precision="fp32",
+                     **config)
+        assert_bf16_bar(ref, fp32, dta)
+    return ref, dta

@@ -20,17 +20,15 @@ from trl_dta.trainers import DTAGRPOConfig, DTAGRPOTrainer
 from trl_dta.tree import PrefixTree
 from trl_dta.batch import Layout
 
-from .conftest import DTA, EOS, assert_equivalent, assert_params_close, build_model, make_args, train
+from .conftest import (DTA, EOS, PRECISIONS, assert_equivalent, assert_params_close, build_model, compare_in_precision,
+                       make_args, train)
 
 def compare(tmp_path, model_dir, tokenizer, dataset, update_rtol=1e-4, ref_cls=GRPOTrainer, dta_cls=DTAGRPOTrainer,
-            check_metrics=True, dta_config=DTA, **config):
-    ref = train(ref_cls, GRPOConfig, model_dir, tokenizer, dataset, tmp_path / "trl", **config)
-    dta = train(dta_cls, DTAGRPOConfig, model_dir, tokenizer, dataset, tmp_path / "dta", **config, **dta_config)
-    assert all(entry["dta/dense_fallback"] == 0.0 for entry in dta.logs if "dta/dense_fallback" in entry)
-    assert any("dta/tree_tokens" in entry for entry in dta.logs), "no micro-batch ran through DTA"
-    assert_params_close(ref, dta)
-    assert_equivalent(ref, dta, rtol=update_rtol, compare_metrics=check_metrics)
-    return ref, dta
+            check_metrics=True, dta_config=DTA, precision="fp32", **config):
+    """TRL's trainer and DTA's on the same data, compared in `precision` (`conftest.compare_in_precision`)."""
+    return compare_in_precision(precision, ref_cls, GRPOConfig, dta_cls, DTAGRPOConfig, model_dir, tokenizer, dataset,
+                                tmp_path, update_rtol=update_rtol, check_metrics=check_metrics, dta_config=dta_config,
+                                **config)
 
 
 LOSSES = [

@@ -13,18 +13,15 @@ from trl import RLOOConfig, RLOOTrainer
 
 from trl_dta.trainers import DTARLOOConfig, DTARLOOTrainer
 
-from .conftest import DTA, assert_equivalent, assert_params_close, train
+from .conftest import DTA, PRECISIONS, compare_in_precision, train
 
 
-def compare(tmp_path, model_dir, tokenizer, dataset, update_rtol=1e-4, dta_config=DTA, check_metrics=True, **config):
-    ref = train(RLOOTrainer, RLOOConfig, model_dir, tokenizer, dataset, tmp_path / "trl", **config)
-    dta = train(DTARLOOTrainer, DTARLOOConfig, model_dir, tokenizer, dataset, tmp_path / "dta", **config,
-                **dta_config)
-    assert all(entry["dta/dense_fallback"] == 0.0 for entry in dta.logs if "dta/dense_fallback" in entry)
-    assert any("dta/tree_tokens" in entry for entry in dta.logs), "no micro-batch ran through DTA"
-    assert_params_close(ref, dta)
-    assert_equivalent(ref, dta, rtol=update_rtol, compare_metrics=check_metrics)
-    return ref, dta
+def compare(tmp_path, model_dir, tokenizer, dataset, update_rtol=1e-4, dta_config=DTA, check_metrics=True,
+            precision="fp32", **config):
+    """TRL's trainer and DTA's on the same data, compared in `precision` (`conftest.compare_in_precision`)."""
+    return compare_in_precision(precision, RLOOTrainer, RLOOConfig, DTARLOOTrainer, DTARLOOConfig, model_dir, tokenizer,
+                                dataset, tmp_path, update_rtol=update_rtol, check_metrics=check_metrics,
+                                dta_config=dta_config, **config)
 
 
 @pytest.mark.parametrize(
