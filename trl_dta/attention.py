@@ -32,10 +32,10 @@ padding; float64 where the device has it):
 | `torch`  | CPU                     | once     | aten CPU flash (float64/32/16, masks)       | soft-capping          |
 | `torch`  | CUDA                    | once     | aten flash (16-bit, causal or no mask)      | fp32, packed, window  |
 | `flash`  | CUDA, flash-attn >= 2.7 | once     | flash-attn (window, soft-cap)               | packed rows (`torch`) |
-| `triton` | CUDA; CPU tests*        | once     | one interval-mask kernel pair, every part   | -                     |
+| `triton` | CUDA; CPU tests*        | once     | one interval-mask kernel pair, every part   | 16-bit under (*)      |
 | `auto`   | `kernels.AUTO`          |          | CPU: `torch`; CUDA: `flash`, else `torch`   |                       |
 
-(*) under `TRITON_INTERPRET=1`: slow, no bf16.
+(*) under `TRITON_INTERPRET=1`: slow, no bf16 (those parts run on `math`).
 
 `math` is the plain-PyTorch part kernel: one part's scores materialised transiently, the path still stored once.
 """
