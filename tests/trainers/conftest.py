@@ -264,9 +264,10 @@ def assert_bf16_bar(trl_bf16: Run, trl_fp32: Run, dta_bf16: Run) -> dict[str, fl
 
 def compare_in_precision(precision: str, ref_cls, ref_config, dta_cls, dta_config_cls, model_dir, tokenizer, dataset,
                          tmp_path: Path, update_rtol: float = 1e-4, check_metrics: bool = True,
-                         dta_config: dict | None = None, **config) -> tuple[Run, Run]:
+                         dta_config: dict | None = None, return_gaps: bool = False, **config):
     """Train TRL's trainer and DTA's on the same data in `precision` and compare them: "fp32" as `assert_equivalent`
-    (updates within `update_rtol`), "trl" by `assert_bf16_bar` (a float32 TRL run added). Returns `(TRL, DTA)`."""
+    (updates within `update_rtol`), "trl" by `assert_bf16_bar` (a float32 TRL run added). Returns `(TRL, DTA)`, and
+    with `return_gaps` the measured differences (`assert_equivalent`'s or `assert_bf16_bar`'s) as a third item."""
     ref = train(ref_cls, ref_config, model_dir, tokenizer, dataset, tmp_path / "trl", precision=precision, **config)
     dta = train(dta_cls, dta_config_cls, model_dir, tokenizer, dataset, tmp_path / "dta", precision=precision,
                 **config, **(dta_config or {}))
@@ -274,9 +275,9 @@ def compare_in_precision(precision: str, ref_cls, ref_config, dta_cls, dta_confi
     assert any("dta/tree_tokens" in entry for entry in dta.logs), "no micro-batch ran through DTA"
     if precision == "fp32":
         assert_params_close(ref, dta)
-        assert_equivalent(ref, dta, rtol=update_rtol, compare_metrics=check_metrics)
+        gaps = assert_equivalent(ref, dta, rtol=update_rtol, compare_metrics=check_metrics)
     else:
         fp32 = train(ref_cls, ref_config, model_dir, tokenizer, dataset, tmp_path / "trl_fp32", precision="fp32",
                      **config)
-        assert_bf16_bar(ref, fp32, dta)
-    return ref, dta
+        gaps = assert_bf16_bar(ref, fp32, dta)
+    return (ref, dta, gaps) if return_gaps else (ref, dta)

@@ -24,6 +24,20 @@ def compare(tmp_path, model_dir, tokenizer, dataset, update_rtol=1e-4, dta_confi
                                 dta_config=dta_config, **config)
 
 
+# In TRL's default precision: RLOO's defaults (beta 0.05, a reference model prepared by accelerate), and a larger
+# beta; num_iterations=2 keeps one generation for both steps (see test_grpo.LOSS_CASES).
+BF16_CONFIGS = {
+    "trl_defaults": {"num_iterations": 2},
+    "beta": {"beta": 0.2, "num_iterations": 2},
+}
+
+
+@pytest.mark.parametrize("name", list(BF16_CONFIGS))
+def test_matches_trl_in_trl_default_precision(tmp_path, model_dir, tokenizer, dataset, name):
+    ref, dta = compare(tmp_path, model_dir, tokenizer, dataset, precision="trl", **BF16_CONFIGS[name])
+    assert ref.trainer.ref_model is not None and dta.trainer.ref_model is not None
+
+
 @pytest.mark.parametrize(
     "config",
     [
@@ -43,10 +57,11 @@ def test_matches_trl(tmp_path, model_dir, tokenizer, dataset, config):
     compare(tmp_path, model_dir, tokenizer, dataset, **config)
 
 
-def test_lora_with_adapter_disabled_reference(tmp_path, model_dir, tokenizer, dataset):
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_lora_with_adapter_disabled_reference(tmp_path, model_dir, tokenizer, dataset, precision):
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], task_type="CAUSAL_LM")
     compare(tmp_path, model_dir, tokenizer, dataset, beta=0.2, num_iterations=2, learning_rate=0.5,
-            trainer_kwargs={"peft_config": lora})
+            trainer_kwargs={"peft_config": lora}, precision=precision)
 
 
 def test_group_shuffle_keeps_groups_and_matches_the_step(tmp_path, model_dir, tokenizer, dataset):
