@@ -102,7 +102,8 @@ def _assert_no_worse(dense, dta, what):
 # Families beyond qwen2 are marked slow.
 AUTOCAST_CASES = [pytest.param(family, "auto", id=f"{family}-auto", marks=_slow_unless_qwen2(family))
                   for family in sorted(FAMILIES)] + [
-    pytest.param(family, "sdpa", id=f"{family}-sdpa", marks=_slow_unless_qwen2(family)) for family in ("qwen2", "gemma2")]
+    pytest.param(family, "sdpa", id=f"{family}-sdpa", marks=_slow_unless_qwen2(family))
+    for family in ("qwen2", "gemma2")]
 
 
 @pytest.mark.parametrize("family,backend", AUTOCAST_CASES)
@@ -139,7 +140,8 @@ def test_attention_inputs_follow_sdpa_autocast(backend, path_len):
         assert [t.dtype for t in got[:5]] == [torch.bfloat16] * 5 and got[5] is None
         assert attention_inputs(q.double())[0].dtype == torch.float64  # autocast leaves float64 alone
         keys, values = torch.cat([path_k.expand(2, -1, -1, -1), k], 2), torch.cat([path_v.expand(2, -1, -1, -1), v], 2)
-        mask = dict(is_causal=True) if path_len == 0 else dict(attn_mask=torch.ones(6, path_len + 6).tril(path_len).bool())
+        visible = torch.ones(6, path_len + 6).tril(path_len).bool()  # query i sees keys 0 .. path_len + i
+        mask = dict(is_causal=True) if path_len == 0 else dict(attn_mask=visible)
         want = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True, **mask)  # SDPA's own autocast
     assert want.dtype == torch.bfloat16
     assert [t.dtype for t in attention_inputs(q, k, v)] == [torch.float32, torch.float32, torch.bfloat16]

@@ -14,11 +14,13 @@ Granite's `logits_scaling`, then `final_logit_softcapping`), then divided by the
 
 Precision, as TRL's fused head (`trl.kernels.ChunkedLogProbFunction`) computes it: the logit tiles are a GEMM in the
 *compute dtype* (the autocast dtype under autocast, else the hidden states' dtype; [`precision.head_compute_dtype`]),
-a bias added inside the GEMM as `nn.Linear` adds it; the softmax statistics, log-probs and entropies are float32 for half precision; in the
-backward the logit gradient is rounded to the compute dtype and both gradient GEMMs accumulate in float32 before
-the result takes the dtype of the hidden states and of the weight. Under bf16 autocast over float32 weights that is
-bf16 logits, float32 log-probs, float32 gradients. A tile holds at most `MAX_TILE_LOGITS` logits, whatever chunk size
-is asked for (the comment at `MAX_TILE_LOGITS` derives the bound).
+a bias added inside the GEMM as `nn.Linear` adds it; the softmax statistics, log-probs and entropies are float32 for
+half precision; in the backward the logit gradient is rounded to the compute dtype and both gradient GEMMs accumulate
+in float32 before the result takes the dtype of the hidden states and of the weight. Under bf16 autocast over float32
+weights that is bf16 logits, float32 log-probs, float32 gradients.
+
+A tile holds at most `MAX_TILE_LOGITS` logits, whatever chunk size is asked for (the comment at `MAX_TILE_LOGITS`
+derives the bound).
 """
 
 from __future__ import annotations
