@@ -75,19 +75,22 @@ def _oracle(family):
     return lp64, ent64, grads_of(exact)
 
 
-def _dense_and_dta(model, seqs, exact, autocast: dict, backend: str):
+def _dense_and_dta(model, seqs, exact, autocast: dict, backend: str, **engine_kw):
     """(dense errors, DTA errors) of `model` under `autocast`: log-probs, entropies, gradients; and DTA's logprobs."""
     model.zero_grad(set_to_none=True)
     with torch.autocast(**autocast):
         _, lp, ent = dense_forward_backward(model, seqs, loss_fn)
     dense = _errors(lp, ent, grads_of(model), exact)
     model.zero_grad(set_to_none=True)
-    engine = DTAEngine(model, attn_backend=backend)
+    engine = DTAEngine(model, attn_backend=backend, **engine_kw)
     with torch.autocast(**autocast):
         out = engine.forward_backward(seqs, loss_fn, entropy=True)
         scored = engine.logprobs(seqs, entropy=True)
     dta = _errors(out.logps, out.entropies, grads_of(model), exact)
-    assert all(torch.equal(a, b) for a, b in zip(scored.logps, out.logps)), "logprobs and forward_backward disagree"
+    if engine_kw.get("max_graph_tokens") == 0:
+        assert out.stats["recomputed_tokens"] > 0
+    if not engine_kw:  # the same forwards in both calls (recompute mode forwards in blocks instead)
+        assert all(torch.equal(a, b) for a, b in zip(scored.logps, out.logps)), "logprobs and forward_backward disagree"
     return dense, dta
 
 
@@ -121,6 +124,16 @@ def test_bf16_weights(autocast):
     dense, dta = _dense_and_dta(make_model(family, torch.bfloat16, exact_norms=False), SEQS, _oracle(family),
                                 autocast, "auto")
     _assert_no_worse(dense, dta, f"{family} bf16 weights")
+
+
+def test_block_recompute_under_autocast():
+    """Recompute mode (every segment forwarded without grad, then recomputed block by block when popped): the
+    recomputed forwards run under the call's autocast again, so the gradients injected into them belong to the same
+    bf16 computation."""
+    family = "qwen2"
+    dense, dta = _dense_and_dta(make_model(family, torch.float32, exact_norms=False), SEQS, _oracle(family), BF16,
+                                "auto", max_graph_tokens=0, block_size=4, max_pack_tokens=0)
+    _assert_no_worse(dense, dta, "block recompute under bf16 autocast")
 
 
 # ---------------------------------------------------------------------------------------------- the attention's inputs

@@ -113,11 +113,13 @@ class Run:
 # trains and scores under bf16 autocast, as a user runs it; DTA is judged by the dense path's own bf16 error
 # (`assert_bf16_bar`).
 PRECISIONS = ("fp32", "trl")
-# The "trl" regime trains at a tenth of the learning rate. At the tests' SGD step (0.05, TRL's default is 1e-6) a
+# The "trl" regime's comparisons (`compare_in_precision`) train all three runs at a tenth of the learning rate.
+# At the tests' SGD step (0.05, TRL's default is 1e-6) a
 # quarter of the tokens leave the clip range by the second step, and clipping's discontinuity turns bf16 rounding into
 # tokens flipping between clipped and not (measured: 24% clipped for TRL bf16, 27% float32, 34% DTA bf16, update gaps
 # 0.13 and 0.30); at a tenth none is clipped and the gaps measure rounding (0.035 and 0.011).
 BF16_LEARNING_RATE_FACTOR = 0.1
+LEARNING_RATE = 0.05  # the tests' SGD step
 
 
 def make_args(config_cls, output_dir: Path, steps: int = 2, precision: str = "fp32", **config):
@@ -133,7 +135,7 @@ def make_args(config_cls, output_dir: Path, steps: int = 2, precision: str = "fp
         max_completion_length=6,
         generation_kwargs={"sequence_bias": [[[EOS], 4.0]]},  # <eos> at about 1 in 10 tokens: varied lengths
         max_steps=steps,
-        learning_rate=0.05,
+        learning_rate=LEARNING_RATE,
         optim="sgd",
         lr_scheduler_type="constant",
         logging_steps=1,
@@ -147,8 +149,6 @@ def make_args(config_cls, output_dir: Path, steps: int = 2, precision: str = "fp
     if precision == "fp32":
         defaults["bf16"] = False
     defaults.update(config)
-    if precision == "trl":
-        defaults["learning_rate"] *= BF16_LEARNING_RATE_FACTOR
     args = config_cls(**defaults)
     if precision == "trl":
         assert args.bf16 and not args.fp16, "TRL's default precision is bf16 autocast"
@@ -251,6 +251,8 @@ def assert_bf16_bar(trl_bf16: Run, trl_fp32: Run, dta_bf16: Run) -> dict[str, fl
     (else the gaps would measure sampling, not precision), and the bf16 runs really ran under bf16 autocast.
     Returns both gaps."""
     assert trl_bf16.mixed_precision == dta_bf16.mixed_precision == "bf16" and trl_fp32.mixed_precision == "no"
+    rates = {run.trainer.args.learning_rate for run in (trl_bf16, trl_fp32, dta_bf16)}
+    assert len(rates) == 1, f"the three runs trained at different learning rates {rates}"
     assert trl_bf16.completions == trl_fp32.completions, "bf16 and float32 TRL generated different completions"
     assert dta_bf16.completions == trl_bf16.completions, "DTA and TRL generated different completions in bf16"
     gaps = {"dta_vs_trl_bf16": update_gap(dta_bf16, trl_bf16), "trl_bf16_vs_fp32": update_gap(trl_bf16, trl_fp32)}
@@ -266,8 +268,11 @@ def compare_in_precision(precision: str, ref_cls, ref_config, dta_cls, dta_confi
                          tmp_path: Path, update_rtol: float = 1e-4, check_metrics: bool = True,
                          dta_config: dict | None = None, return_gaps: bool = False, **config):
     """Train TRL's trainer and DTA's on the same data in `precision` and compare them: "fp32" as `assert_equivalent`
-    (updates within `update_rtol`), "trl" by `assert_bf16_bar` (a float32 TRL run added). Returns `(TRL, DTA)`, and
+    (updates within `update_rtol`), "trl" by `assert_bf16_bar` (a float32 TRL run added, all three at
+    `BF16_LEARNING_RATE_FACTOR` times the learning rate). Returns `(TRL, DTA)`, and
     with `return_gaps` the measured differences (`assert_equivalent`'s or `assert_bf16_bar`'s) as a third item."""
+    if precision == "trl":
+        config["learning_rate"] = config.get("learning_rate", LEARNING_RATE) * BF16_LEARNING_RATE_FACTOR
     ref = train(ref_cls, ref_config, model_dir, tokenizer, dataset, tmp_path / "trl", precision=precision, **config)
     dta = train(dta_cls, dta_config_cls, model_dir, tokenizer, dataset, tmp_path / "dta", precision=precision,
                 **config, **(dta_config or {}))
