@@ -103,6 +103,10 @@ class DTAEngine:
             log-sum-exp; `"auto"`: the fastest exact backend on the model's device (CPU: `"torch"`; CUDA: `"flash"`
             when flash-attn is installed, else `"torch"`). All are exact; an unavailable choice is refused here.
 
+    Precision: each call runs the model under the autocast its dense forward would run under, the caller's (e.g.
+    `accelerator.autocast()`) or the one accelerate's mixed-precision wrapper puts around a prepared model's forward
+    (`trl_dta.precision`); the loss and the backward run outside autocast, as `accelerator.backward` does.
+
     Stats of the last call (`engine.last_stats`, also `DTAOutput.stats`): `sequences`, `tokens`, `tree_tokens`,
     `compression_ratio`, `forward_tokens` (real tokens forwarded, recompute included), `padded_tokens` (with row
     padding), `recomputed_tokens`, `scored_positions` (rows projected through the LM head), `peak_graph_tokens`,
