@@ -245,21 +245,29 @@ def update_gap(a: Run, b: Run) -> float:
     return float((num / den).sqrt())
 
 
+# DTA's bf16 update may be this many times farther from TRL's float32 update than TRL's own bf16 update is. Two bf16
+# computations with roundings of the same size but not the same (DTA's attention parts and summed prefix gradients,
+# see tests/test_precision.py) differ from each other by about as much as each differs from float32, so the bar is
+# on the distance to float32, with the engine-level factor (`test_precision.SLACK`).
+BF16_SLACK = 2.0
+
+
 def assert_bf16_bar(trl_bf16: Run, trl_fp32: Run, dta_bf16: Run) -> dict[str, float]:
-    """DTA under TRL's default precision is as close to TRL's bf16 update as TRL's bf16 update is to TRL's float32
-    one: `gap(DTA bf16, TRL bf16) <= gap(TRL bf16, TRL fp32)` (`update_gap`). All three generated the same completions
-    (else the gaps would measure sampling, not precision), and the bf16 runs really ran under bf16 autocast.
-    Returns both gaps."""
+    """DTA under TRL's default precision is as accurate as TRL's bf16 path: `gap(DTA bf16, TRL fp32) <= BF16_SLACK *
+    gap(TRL bf16, TRL fp32)` (`update_gap`). All three generated the same completions (else the gaps would measure
+    sampling, not precision), trained at one learning rate, and the bf16 runs really ran under bf16 autocast.
+    Returns the three gaps (`dta_vs_trl_bf16` too, for the record)."""
     assert trl_bf16.mixed_precision == dta_bf16.mixed_precision == "bf16" and trl_fp32.mixed_precision == "no"
     rates = {run.trainer.args.learning_rate for run in (trl_bf16, trl_fp32, dta_bf16)}
     assert len(rates) == 1, f"the three runs trained at different learning rates {rates}"
     assert trl_bf16.completions == trl_fp32.completions, "bf16 and float32 TRL generated different completions"
     assert dta_bf16.completions == trl_bf16.completions, "DTA and TRL generated different completions in bf16"
-    gaps = {"dta_vs_trl_bf16": update_gap(dta_bf16, trl_bf16), "trl_bf16_vs_fp32": update_gap(trl_bf16, trl_fp32)}
+    gaps = {"dta_vs_trl_bf16": update_gap(dta_bf16, trl_bf16), "trl_bf16_vs_fp32": update_gap(trl_bf16, trl_fp32),
+            "dta_bf16_vs_fp32": update_gap(dta_bf16, trl_fp32)}
     assert gaps["trl_bf16_vs_fp32"] > 0, "TRL's bf16 update equals its float32 one: bf16 did not run"
-    assert gaps["dta_vs_trl_bf16"] <= gaps["trl_bf16_vs_fp32"], (
-        f"DTA's bf16 update differs from TRL's by {gaps['dta_vs_trl_bf16']:.3g}, more than TRL's bf16 update differs "
-        f"from its float32 one ({gaps['trl_bf16_vs_fp32']:.3g})"
+    assert gaps["dta_bf16_vs_fp32"] <= BF16_SLACK * gaps["trl_bf16_vs_fp32"], (
+        f"DTA's bf16 update differs from TRL's float32 one by {gaps['dta_bf16_vs_fp32']:.3g}, more than {BF16_SLACK} x "
+        f"TRL's bf16 update does ({gaps['trl_bf16_vs_fp32']:.3g})"
     )
     return gaps
 
