@@ -19,6 +19,10 @@ log-sum-exp, so the path is never copied per row. Packed subtree rows describe t
 per key, pre-order intervals, see `kernels.masks`) and their tokens' depths. Rows are right-padded; padding sits
 after every real key of its row, so no real query sees it.
 
+Precision: the attention receives q, k, v in the dtypes the model produced them (under bf16 autocast: q, k float32
+after RoPE, v bfloat16) and computes in the dtype autocast gives SDPA, the autocast dtype (`precision.py`): every
+input, the path's keys/values included, is converted there once, and the kernels run with autocast off.
+
 Backends (`DTAEngine(attn_backend=...)`), all exact (GQA without repeating keys, sliding windows, soft-capping,
 padding; float64 where the device has it):
 
@@ -28,10 +32,10 @@ padding; float64 where the device has it):
 | `torch`  | CPU                     | once     | aten CPU flash (float64/32/16, masks)       | soft-capping          |
 | `torch`  | CUDA                    | once     | aten flash (16-bit, causal or no mask)      | fp32, packed, window  |
 | `flash`  | CUDA, flash-attn >= 2.7 | once     | flash-attn (window, soft-cap)               | packed rows (`torch`) |
-| `triton` | CUDA; CPU tests*        | once     | one interval-mask kernel pair, every part   | -                     |
+| `triton` | CUDA; CPU tests*        | once     | one interval-mask kernel pair, every part   | 16-bit under (*)      |
 | `auto`   | `kernels.AUTO`          |          | CPU: `torch`; CUDA: `flash`, else `torch`   |                       |
 
-(*) under `TRITON_INTERPRET=1`: slow, no bf16.
+(*) under `TRITON_INTERPRET=1`: slow, no bf16 (those parts run on `math`).
 
 `math` is the plain-PyTorch part kernel: one part's scores materialised transiently, the path still stored once.
 """
@@ -42,6 +46,7 @@ import torch
 
 from .kernels import two_part_attention
 from .kv_stack import KVStack
+from .precision import attention_inputs
 
 ATTN_IMPLEMENTATION = "dta"
 
@@ -134,11 +139,15 @@ def dta_attention(
     dta_ctx.calls += 1
     dta_ctx.record[layer] = (key, value)
     path_key, path_value = dta_ctx.stack.prefix(layer)  # (1, n_kv_heads, path_len, head_dim) or None
-    if path_key is not None:  # float32 gradient sinks of a half-precision model: one cast per layer and forward
+    # The dtype SDPA computes in here (the autocast dtype under autocast; see `precision.py`). Without autocast the
+    # float32 gradient sinks of a half-precision model come back to the model's dtype (`key.dtype`).
+    query, key, value, path_key, path_value = attention_inputs(query, key, value, path_key, path_value)
+    if path_key is not None:
         path_key, path_value = path_key.to(key.dtype), path_value.to(value.dtype)
-    out = two_part_attention(query, path_key, path_value, key, value, scaling=scaling, positions=dta_ctx.positions,
-                             key_end=dta_ctx.key_end, sliding_window=sliding_window, softcap=softcap,
-                             backend=dta_ctx.backend)  # (batch, n_heads, length, head_dim)
+    with torch.autocast(query.device.type, enabled=False):  # the kernels run in their inputs' dtype, as SDPA's do
+        out = two_part_attention(query, path_key, path_value, key, value, scaling=scaling,
+                                 positions=dta_ctx.positions, key_end=dta_ctx.key_end, sliding_window=sliding_window,
+                                 softcap=softcap, backend=dta_ctx.backend)  # (batch, n_heads, length, head_dim)
     return out.transpose(1, 2).contiguous(), None  # two-part backends: already (batch, length, ...) in memory
 
 

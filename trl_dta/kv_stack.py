@@ -10,9 +10,12 @@ keys[l]:      (1, H_kv, 600, D)    (1, H_kv, 120, D)      (1, H_kv, 80, D)     -
 
 In training the frame tensors are *gradient sinks* (detached copies with `requires_grad=True`, autograd leaf tensors):
 every descendant's backward accumulates its gradient into `frame.keys[l].grad`, and when the frame is popped the
-engine injects that sum as the incoming gradient of the segment's own graph. For half-precision models the sinks are
-kept in float32, so the gradients of many descendants are summed in float32 (the attention casts them back to the
-compute dtype).
+engine injects that sum as the incoming gradient of the segment's own graph.
+
+Dtypes (`precision.py`): a frame holds keys and values in the dtype their layer produced them (the model's dtype; under
+bf16 autocast over float32 weights, keys float32 after RoPE and values bfloat16). Half-precision sinks are float32, so
+the gradients of many descendants are summed in float32. The attention casts the path to its compute dtype (the
+autocast dtype, else the model's) at each forward, as SDPA casts the dense path's keys/values.
 """
 
 from __future__ import annotations

@@ -10,9 +10,17 @@ Two paths:
 - any other head module (e.g. a PEFT-wrapped head): the same statistics under non-reentrant activation checkpointing.
 
 Logits are post-processed as the model's own forward does (a per-family factor such as Cohere's `logit_scale` or
-Granite's `logits_scaling`, then `final_logit_softcapping`), then divided by the temperature. Half-precision logits
-are upcast to float32 for the softmax statistics. A tile holds at most `MAX_TILE_LOGITS` logits, whatever chunk size
-is asked for (the comment at `MAX_TILE_LOGITS` derives the bound).
+Granite's `logits_scaling`, then `final_logit_softcapping`), then divided by the temperature.
+
+Precision, as TRL's fused head (`trl.kernels.ChunkedLogProbFunction`) computes it: the logit tiles are a GEMM in the
+*compute dtype* (the autocast dtype under autocast, else the hidden states' dtype; [`precision.head_compute_dtype`]),
+a bias added inside the GEMM as `nn.Linear` adds it; the softmax statistics, log-probs and entropies are float32 for
+half precision; in the backward the logit gradient is rounded to the compute dtype and both gradient GEMMs accumulate
+in float32 before the result takes the dtype of the hidden states and of the weight. Under bf16 autocast over float32
+weights that is bf16 logits, float32 log-probs, float32 gradients.
+
+A tile holds at most `MAX_TILE_LOGITS` logits, whatever chunk size is asked for (the comment at `MAX_TILE_LOGITS`
+derives the bound).
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from .precision import head_compute_dtype, is_half
 
 
 def _times(field: str) -> Callable[[object], float]:
@@ -120,11 +130,24 @@ def _chunk_stats(hidden, targets, spec: HeadSpec, inv_temperature: float, want_e
     return logps, entropy
 
 
+def _addmm_fp32(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`acc + a @ b` accumulated in float32 (or float64) without rounding `a @ b` to a half-precision input dtype
+    first; `acc` None starts from zero."""
+    out_dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
+    if a.dtype == out_dtype:
+        return a @ b if acc is None else acc.addmm_(a, b)
+    if a.device.type == "cuda":
+        acc = torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device) if acc is None else acc
+        return torch.addmm(acc, a, b, out_dtype=out_dtype, out=acc)
+    return a.to(out_dtype) @ b.to(out_dtype) if acc is None else acc.addmm_(a.to(out_dtype), b.to(out_dtype))
+
+
 def _tile_logits(h, weight, bias, spec: HeadSpec, inv_t: float):
-    """Post-processed logits `(rows, vocab)` of a tile (float32 for half precision) and `d logits / d (h W^T + b)`
-    as a scalar or a tensor (soft-capping)."""
-    y = F.linear(h, weight, bias)  # bias added before rounding, as nn.Linear does
-    if y.dtype in (torch.float16, torch.bfloat16):
+    """Post-processed logits `(rows, vocab)` of a tile and `d logits / d (h W^T + b)` as a scalar or a tensor
+    (soft-capping). `h`, `weight`, `bias` are already in the compute dtype: the GEMM runs there (TRL's tile), the
+    post-processing in float32 for half precision."""
+    y = F.linear(h, weight, bias)  # the bias added before rounding, as nn.Linear does (TRL's tile adds it after)
+    if is_half(y.dtype):
         y = y.float()
     scale = spec.logit_scale * inv_t
     if spec.softcap is None:
@@ -133,14 +156,20 @@ def _tile_logits(h, weight, bias, spec: HeadSpec, inv_t: float):
     return th * (spec.softcap * inv_t), (1 - th * th).mul_(scale)
 
 
+def _sum_rows(x: torch.Tensor) -> torch.Tensor:
+    return x.sum(0, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+
+
 class _LinearLogProbs(torch.autograd.Function):
     """Log-probs and entropies of a linear head, tile by tile; the backward recomputes each tile."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, spec, inv_t, want_entropy, rows):
+        compute = head_compute_dtype(hidden)
+        w, b = weight.to(compute), None if bias is None else bias.to(compute)  # (vocab, hidden), (vocab,)
         lps, ents = [], []
         for start in range(0, hidden.shape[0], rows):
-            z, _ = _tile_logits(hidden[start : start + rows], weight, bias, spec, inv_t)
+            z, _ = _tile_logits(hidden[start : start + rows].to(compute), w, b, spec, inv_t)
             lse = torch.logsumexp(z, dim=-1)
             lps.append(z.gather(-1, targets[start : start + rows, None]).squeeze(-1) - lse)
             if want_entropy:
@@ -149,21 +178,28 @@ class _LinearLogProbs(torch.autograd.Function):
         logps = torch.cat(lps)
         entropy = torch.cat(ents) if want_entropy else None
         ctx.save_for_backward(hidden, weight, bias, targets, logps, entropy)
-        ctx.spec, ctx.inv_t, ctx.rows = spec, inv_t, rows
+        ctx.spec, ctx.inv_t, ctx.rows, ctx.compute = spec, inv_t, rows, compute
         ctx.set_materialize_grads(False)
         return logps, entropy
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
+        with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):  # the dtypes below are explicit
+            return _LinearLogProbs._backward(ctx, g_lp, g_ent)
+
+    @staticmethod
+    def _backward(ctx, g_lp, g_ent):
         hidden, weight, bias, targets, logps, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if g_lp is None and g_ent is None:
             return None, None, None, None, None, None, None, None
         gh_tiles, gw, gb = [], None, None
+        compute = ctx.compute
+        w, b = weight.to(compute), None if bias is None else bias.to(compute)
         for start in range(0, hidden.shape[0], ctx.rows):
             sl = slice(start, start + ctx.rows)
-            h, t = hidden[sl], targets[sl]
-            z, dz_dy = _tile_logits(h, weight, bias, ctx.spec, ctx.inv_t)
+            h, t = hidden[sl].to(compute), targets[sl]
+            z, dz_dy = _tile_logits(h, w, b, ctx.spec, ctx.inv_t)
             lse = z.gather(-1, t[:, None]).squeeze(-1) - logps[sl]
             logp = z.sub_(lse[:, None])
             p = logp.exp()
@@ -176,14 +212,15 @@ class _LinearLogProbs(torch.autograd.Function):
             if g_lp is not None:
                 dz.scatter_add_(-1, t[:, None], g_lp[sl, None].to(dz.dtype))
             dy_acc = dz * dz_dy if isinstance(dz_dy, torch.Tensor) else dz.mul_(dz_dy)  # (rows, vocab), softmax dtype
-            if need_b and bias is not None:  # summed before rounding to the bias dtype, as a single GEMM would
-                gb = dy_acc.sum(0) if gb is None else gb.add_(dy_acc.sum(0))
-            dy = dy_acc.to(weight.dtype)
+            dy = dy_acc.to(compute)  # the logit gradient in the compute dtype, as TRL's tile holds it
+            if need_b and bias is not None:  # summed in float32 before rounding to the bias dtype
+                gb = _sum_rows(dy) if gb is None else gb.add_(_sum_rows(dy))
             if need_h:
-                gh_tiles.append(dy @ weight)
+                gh_tiles.append(_addmm_fp32(None, dy, w).to(hidden.dtype))
             if need_w:
-                gw = dy.t() @ h if gw is None else gw.addmm_(dy.t(), h)
+                gw = _addmm_fp32(gw, dy.t(), h)
         gh = (gh_tiles[0] if len(gh_tiles) == 1 else torch.cat(gh_tiles)) if need_h else None
+        gw = None if gw is None else gw.to(weight.dtype)
         return gh, gw, None if gb is None else gb.to(bias.dtype), None, None, None, None, None
 
 

@@ -20,7 +20,9 @@ model type, the reason and the dense alternative:
   three-token continuation, compared on the log-probs and entropies of the three next tokens. A failure inside
   transformers, a layer that never reaches the DTA attention (1, 2) or a different result (3, 4) becomes the error.
   It costs three forwards of at most four tokens and leaves the model as it was (attention implementation, training
-  mode, gradients).
+  mode, gradients). Both sides run in the precision the engine's calls will run in ([`Precision`]: accelerate's
+  autocast wrapper of the model's forward, or the caller's autocast), and the gap is judged with the tolerance of
+  that precision; a refusal names the precision and the measured gap.
 
 ```
 dense:   t0 t1 t2 t3                  -> log p(t1 | t0), log p(t2 | t0 t1), log p(t3 | t0 t1 t2)
@@ -39,6 +41,7 @@ import torch
 from . import _checks, attention
 from .kv_stack import Frame, KVStack
 from .lm_head import HeadSpec, head_logprobs, unknown_logit_scaling
+from .precision import Precision
 
 # Model families whose equivalence with the dense per-sequence computation the test suite covers (tests/test_models.py
 # and tests/test_engine.py). Other families that pass the probe run with a one-time warning.
@@ -161,9 +164,9 @@ def _attention_implementation(lm, name: str):
 
 
 def _tolerance(dtype: torch.dtype, device: torch.device) -> float:
-    """Relative tolerance of the probe's comparison: far above the rounding of a four-token forward in the working
-    precision, far below the error of a model DTA computes wrongly. float32 matmuls on CUDA may run in TF32 (10-bit
-    mantissa), as coarse as half precision."""
+    """Relative tolerance of the probe's comparison for matmuls computed in `dtype` (the autocast dtype under
+    autocast): far above the rounding of a four-token forward in that precision, far below the error of a model DTA
+    computes wrongly. float32 matmuls on CUDA may run in TF32 (10-bit mantissa), as coarse as half precision."""
     if dtype == torch.float64:
         return 1e-8
     if dtype == torch.float32 and (device.type != "cuda" or torch.get_float32_matmul_precision() == "highest"):
@@ -200,15 +203,16 @@ def _probe_forward(backbone, ids: torch.Tensor, positions: torch.Tensor, stack: 
     return hidden, [ctx.record[layer] for layer in range(n_layers)]
 
 
-def _probe(lm, head: HeadSpec, n_layers: int) -> None:
-    """Compare the model's dense log-probs of four tokens with DTA's (one-token prefix, three-token continuation)."""
+def _probe(lm, head: HeadSpec, n_layers: int, precision: Precision) -> None:
+    """Compare the model's dense log-probs of four tokens with DTA's (one-token prefix, three-token continuation), both
+    under `precision`'s autocast."""
     config = lm.config.get_text_config()
     device = lm.get_input_embeddings().weight.device
     vocab = config.vocab_size
     ids = torch.tensor([[vocab // 2, vocab // 3, vocab // 5, vocab // 7]], device=device)  # (1, 4)
     positions = torch.arange(4, device=device)[None]  # (1, 4)
     targets = ids[0, 1:]  # (3,)
-    with torch.no_grad(), _eval_mode(lm):
+    with torch.no_grad(), _eval_mode(lm), precision.forward():
         logits = lm(input_ids=ids, position_ids=positions, use_cache=False).logits[0, :-1]  # (3, vocab)
         with _attention_implementation(lm, _register_probe()):
             backbone = lm.get_decoder()
@@ -224,16 +228,18 @@ def _probe(lm, head: HeadSpec, n_layers: int) -> None:
     want_ent = -(log_p.exp() * log_p).sum(-1)
     scale = max(1.0, want_lp.abs().max().item(), want_ent.abs().max().item())
     err = max((logps - want_lp).abs().max().item(), (entropy - want_ent).abs().max().item()) / scale
-    if not err <= _tolerance(lm.dtype, device):
+    tolerance = _tolerance(precision.compute_dtype(lm.dtype), device)
+    if not err <= tolerance:
         raise _ProbeFailure(
             f"a one-token prefix and its continuation through DTA give other log-probs than the dense forward of the "
-            f"same tokens (relative difference {err:.2g}): its outputs depend on something DTA does not reproduce "
-            "(a position bias or mask of its own, bidirectional attention, or a logit post-processing DTA does not "
-            "apply)"
+            f"same tokens, both computed in {precision.describe(lm.dtype)}: relative difference {err:.2g}, more than "
+            f"the {tolerance:g} that rounding in that precision explains. Its outputs depend on something DTA does not "
+            "reproduce (a position bias or mask of its own, bidirectional attention, or a logit post-processing DTA "
+            "does not apply)"
         )
 
 
-def _reason(lm) -> str | None:
+def _reason(lm, precision: Precision) -> str | None:
     """Why DTA cannot run `lm`, or None: the first rule that refuses it, else the probe's finding."""
     config = lm.config.get_text_config()
     family_rule = _FAMILY_RULES.get(config.model_type)
@@ -242,7 +248,7 @@ def _reason(lm) -> str | None:
         if reason is not None:
             return reason
     try:
-        _probe(lm, HeadSpec.from_model(lm), config.num_hidden_layers)
+        _probe(lm, HeadSpec.from_model(lm), config.num_hidden_layers, precision)
     except _ProbeFailure as failure:
         return str(failure)
     except Exception as exc:  # raised inside transformers or torch: the model cannot run this way at all
@@ -250,7 +256,7 @@ def _reason(lm) -> str | None:
     return None
 
 
-def check_model_support(lm) -> None:
+def check_model_support(lm, precision: Precision | None = None) -> None:
     """Refuse, before any forward of the user's, a causal LM that runs densely but not through DTA.
 
     Applies the rules, then the probe (see the module docstring). Model types outside [`TESTED_MODEL_TYPES`] that
@@ -258,13 +264,17 @@ def check_model_support(lm) -> None:
 
     Args:
         lm (`transformers.PreTrainedModel`): the causal LM (a PEFT model's base model, adapters active).
+        precision (`Precision`, *optional*): the autocast the engine's calls run under; None: what `lm(...)` runs
+            under here (its accelerate wrapper, else the caller's autocast).
 
     Raises:
         `NotImplementedError`: naming the model type, the reason, the dense alternative and the tested families.
     """
     model_type = lm.config.get_text_config().model_type
     tested = ", ".join(sorted(TESTED_MODEL_TYPES))
-    reason = _reason(lm)
+    if precision is None:
+        precision = Precision.of(lm, device=lm.get_input_embeddings().weight.device)
+    reason = _reason(lm, precision)
     if reason is not None:
         raise NotImplementedError(
             f"{type(lm).__name__} (model type '{model_type}') cannot run through DTA: {reason}. {DENSE_ALTERNATIVE} "

@@ -105,10 +105,28 @@ class Run:
     completions: list[list[int]]
     initial: dict[str, torch.Tensor]
     final: dict[str, torch.Tensor] = field(default_factory=dict)
+    mixed_precision: str = "no"  # accelerate's, read right after training (its state is shared between trainers)
 
 
-def make_args(config_cls, output_dir: Path, steps: int = 2, **config):
-    """The tests' config: small batches, SGD (parameter updates proportional to the gradients), float32 on CPU."""
+# The precision regimes of the equivalence tests. "fp32" pins `bf16=False`: float32 throughout, DTA's update equal to
+# TRL's within float32 rounding. "trl" keeps TRL's default `bf16=True`: the model given by name loads in float32 and
+# trains and scores under bf16 autocast, as a user runs it; DTA is judged by the dense path's own bf16 error
+# (`assert_bf16_bar`).
+PRECISIONS = ("fp32", "trl")
+# The "trl" regime's comparisons (`compare_in_precision`) train all three runs at a tenth of the learning rate.
+# At the tests' SGD step (0.05, TRL's default is 1e-6) a
+# quarter of the tokens leave the clip range by the second step, and clipping's discontinuity turns bf16 rounding into
+# tokens flipping between clipped and not (measured: 24% clipped for TRL bf16, 27% float32, 34% DTA bf16, update gaps
+# 0.13 and 0.30); at a tenth none is clipped and the gaps measure rounding (0.035 and 0.011).
+BF16_LEARNING_RATE_FACTOR = 0.1
+LEARNING_RATE = 0.05  # the tests' SGD step
+
+
+def make_args(config_cls, output_dir: Path, steps: int = 2, precision: str = "fp32", **config):
+    """The tests' config: small batches, SGD (parameter updates proportional to the gradients) on CPU, float32
+    (`precision="fp32"`) or TRL's default bf16 autocast (`precision="trl"`)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     defaults = dict(
         output_dir=str(output_dir),
         per_device_train_batch_size=4,
@@ -117,24 +135,28 @@ def make_args(config_cls, output_dir: Path, steps: int = 2, **config):
         max_completion_length=6,
         generation_kwargs={"sequence_bias": [[[EOS], 4.0]]},  # <eos> at about 1 in 10 tokens: varied lengths
         max_steps=steps,
-        learning_rate=0.05,
+        learning_rate=LEARNING_RATE,
         optim="sgd",
         lr_scheduler_type="constant",
         logging_steps=1,
         report_to="none",
-        bf16=False,
         use_cpu=True,
         gradient_checkpointing=False,
         save_strategy="no",
         seed=0,
         disable_tqdm=True,
     )
+    if precision == "fp32":
+        defaults["bf16"] = False
     defaults.update(config)
-    return config_cls(**defaults)
+    args = config_cls(**defaults)
+    if precision == "trl":
+        assert args.bf16 and not args.fp16, "TRL's default precision is bf16 autocast"
+    return args
 
 
 def train(trainer_cls, config_cls, model_dir, tokenizer, dataset, output_dir: Path, steps: int = 2,
-          trainer_kwargs: dict | None = None, setup=None, **config) -> Run:
+          trainer_kwargs: dict | None = None, setup=None, precision: str = "fp32", **config) -> Run:
     """Train `steps` optimizer steps; records every generated completion (through the reward function)."""
     completions: list[list[int]] = []
 
@@ -142,7 +164,7 @@ def train(trainer_cls, config_cls, model_dir, tokenizer, dataset, output_dir: Pa
         completions.extend(list(ids) for ids in completion_ids)
         return [reward_from_ids(ids) for ids in completion_ids]
 
-    args = make_args(config_cls, output_dir, steps, **config)
+    args = make_args(config_cls, output_dir, steps, precision, **config)
     trainer = trainer_cls(
         model=model_dir,
         reward_funcs=reward,
@@ -157,7 +179,7 @@ def train(trainer_cls, config_cls, model_dir, tokenizer, dataset, output_dir: Pa
     trainer.train()
     final = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
-    return Run(trainer, logs, completions, initial, final)
+    return Run(trainer, logs, completions, initial, final, trainer.accelerator.mixed_precision)
 
 
 def assert_params_close(ref: Run, dta: Run, rtol: float = 1e-5) -> float:
@@ -211,3 +233,64 @@ def assert_equivalent(ref: Run, dta: Run, rtol: float = 1e-5, atol: float = 1e-6
         assert err <= rtol, f"{name}: parameter update differs by {err:.2e} (relative to the update)"
     assert moved > 0, "no parameter moved: the comparison would be vacuous"
     return worst
+
+
+def update_gap(a: Run, b: Run) -> float:
+    """`||u_a - u_b|| / ||u_b||`, the relative difference of two runs' parameter updates `u = final - initial` over
+    all trained parameters together."""
+    assert a.final.keys() == b.final.keys()
+    num = sum(((a.final[n] - a.initial[n]) - (b.final[n] - b.initial[n])).double().pow(2).sum() for n in b.final)
+    den = sum((b.final[n] - b.initial[n]).double().pow(2).sum() for n in b.final)
+    assert den > 0, "no parameter moved: the comparison would be vacuous"
+    return float((num / den).sqrt())
+
+
+# DTA's bf16 update may be this many times farther from TRL's float32 update than TRL's own bf16 update is. Two bf16
+# computations with roundings of the same size but not the same (DTA's attention parts and summed prefix gradients,
+# see tests/test_precision.py) differ from each other by about as much as each differs from float32, so the bar is
+# on the distance to float32, with the engine-level factor (`test_precision.SLACK`).
+BF16_SLACK = 2.0
+
+
+def assert_bf16_bar(trl_bf16: Run, trl_fp32: Run, dta_bf16: Run) -> dict[str, float]:
+    """DTA under TRL's default precision is as accurate as TRL's bf16 path: `gap(DTA bf16, TRL fp32) <= BF16_SLACK *
+    gap(TRL bf16, TRL fp32)` (`update_gap`). All three generated the same completions (else the gaps would measure
+    sampling, not precision), trained at one learning rate, and the bf16 runs really ran under bf16 autocast.
+    Returns the three gaps (`dta_vs_trl_bf16` too, for the record)."""
+    assert trl_bf16.mixed_precision == dta_bf16.mixed_precision == "bf16" and trl_fp32.mixed_precision == "no"
+    rates = {run.trainer.args.learning_rate for run in (trl_bf16, trl_fp32, dta_bf16)}
+    assert len(rates) == 1, f"the three runs trained at different learning rates {rates}"
+    assert trl_bf16.completions == trl_fp32.completions, "bf16 and float32 TRL generated different completions"
+    assert dta_bf16.completions == trl_bf16.completions, "DTA and TRL generated different completions in bf16"
+    gaps = {"dta_vs_trl_bf16": update_gap(dta_bf16, trl_bf16), "trl_bf16_vs_fp32": update_gap(trl_bf16, trl_fp32),
+            "dta_bf16_vs_fp32": update_gap(dta_bf16, trl_fp32)}
+    assert gaps["trl_bf16_vs_fp32"] > 0, "TRL's bf16 update equals its float32 one: bf16 did not run"
+    assert gaps["dta_bf16_vs_fp32"] <= BF16_SLACK * gaps["trl_bf16_vs_fp32"], (
+        f"DTA's bf16 update differs from TRL's float32 one by {gaps['dta_bf16_vs_fp32']:.3g}, more than {BF16_SLACK} x "
+        f"TRL's bf16 update does ({gaps['trl_bf16_vs_fp32']:.3g})"
+    )
+    return gaps
+
+
+def compare_in_precision(precision: str, ref_cls, ref_config, dta_cls, dta_config_cls, model_dir, tokenizer, dataset,
+                         tmp_path: Path, update_rtol: float = 1e-4, check_metrics: bool = True,
+                         dta_config: dict | None = None, return_gaps: bool = False, **config):
+    """Train TRL's trainer and DTA's on the same data in `precision` and compare them: "fp32" as `assert_equivalent`
+    (updates within `update_rtol`), "trl" by `assert_bf16_bar` (a float32 TRL run added, all three at
+    `BF16_LEARNING_RATE_FACTOR` times the learning rate). Returns `(TRL, DTA)`, and
+    with `return_gaps` the measured differences (`assert_equivalent`'s or `assert_bf16_bar`'s) as a third item."""
+    if precision == "trl":
+        config["learning_rate"] = config.get("learning_rate", LEARNING_RATE) * BF16_LEARNING_RATE_FACTOR
+    ref = train(ref_cls, ref_config, model_dir, tokenizer, dataset, tmp_path / "trl", precision=precision, **config)
+    dta = train(dta_cls, dta_config_cls, model_dir, tokenizer, dataset, tmp_path / "dta", precision=precision,
+                **config, **(dta_config or {}))
+    assert all(entry["dta/dense_fallback"] == 0.0 for entry in dta.logs if "dta/dense_fallback" in entry)
+    assert any("dta/tree_tokens" in entry for entry in dta.logs), "no micro-batch ran through DTA"
+    if precision == "fp32":
+        assert_params_close(ref, dta)
+        gaps = assert_equivalent(ref, dta, rtol=update_rtol, compare_metrics=check_metrics)
+    else:
+        fp32 = train(ref_cls, ref_config, model_dir, tokenizer, dataset, tmp_path / "trl_fp32", precision="fp32",
+                     **config)
+        gaps = assert_bf16_bar(ref, fp32, dta)
+    return (ref, dta, gaps) if return_gaps else (ref, dta)

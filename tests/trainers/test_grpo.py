@@ -20,17 +20,15 @@ from trl_dta.trainers import DTAGRPOConfig, DTAGRPOTrainer
 from trl_dta.tree import PrefixTree
 from trl_dta.batch import Layout
 
-from .conftest import DTA, EOS, assert_equivalent, assert_params_close, build_model, make_args, train
+from .conftest import (DTA, EOS, PRECISIONS, assert_equivalent, assert_params_close, build_model, compare_in_precision,
+                       make_args, train)
 
 def compare(tmp_path, model_dir, tokenizer, dataset, update_rtol=1e-4, ref_cls=GRPOTrainer, dta_cls=DTAGRPOTrainer,
-            check_metrics=True, dta_config=DTA, **config):
-    ref = train(ref_cls, GRPOConfig, model_dir, tokenizer, dataset, tmp_path / "trl", **config)
-    dta = train(dta_cls, DTAGRPOConfig, model_dir, tokenizer, dataset, tmp_path / "dta", **config, **dta_config)
-    assert all(entry["dta/dense_fallback"] == 0.0 for entry in dta.logs if "dta/dense_fallback" in entry)
-    assert any("dta/tree_tokens" in entry for entry in dta.logs), "no micro-batch ran through DTA"
-    assert_params_close(ref, dta)
-    assert_equivalent(ref, dta, rtol=update_rtol, compare_metrics=check_metrics)
-    return ref, dta
+            check_metrics=True, dta_config=DTA, precision="fp32", **config):
+    """TRL's trainer and DTA's on the same data, compared in `precision` (`conftest.compare_in_precision`)."""
+    return compare_in_precision(precision, ref_cls, GRPOConfig, dta_cls, DTAGRPOConfig, model_dir, tokenizer, dataset,
+                                tmp_path, update_rtol=update_rtol, check_metrics=check_metrics, dta_config=dta_config,
+                                **config)
 
 
 LOSSES = [
@@ -46,13 +44,22 @@ LOSSES = [
 ]
 
 
-@pytest.mark.parametrize("loss_type,level", LOSSES)
-def test_loss_types_match_trl(tmp_path, model_dir, tokenizer, dataset, loss_type, level):
+# Every loss in float32; in TRL's default precision the default loss (dapo), a sequence-level ratio and a clipped
+# ratio of another form (one run costs three trainings there: TRL bf16, TRL float32, DTA bf16).
+BF16_LOSSES = {("dapo", "token"), ("grpo", "sequence"), ("cispo", "token")}
+LOSS_CASES = [pytest.param(loss, level, "fp32", id=f"{loss}-{level}-fp32") for loss, level in LOSSES] + [
+    pytest.param(loss, level, "trl", id=f"{loss}-{level}-trl") for loss, level in LOSSES
+    if (loss, level) in BF16_LOSSES]
+
+
+@pytest.mark.parametrize("loss_type,level,precision", LOSS_CASES)
+def test_loss_types_match_trl(tmp_path, model_dir, tokenizer, dataset, loss_type, level, precision):
     # num_iterations=2: the second step reuses the generation with old log-probs (scored by the engine), so the
     # ratios move off 1 and the clipping branches are exercised. Micro-batches of 4 from 2 groups of 4, shuffled by
-    # TRL's row shuffle: groups are split across micro-batches.
+    # TRL's row shuffle: groups are split across micro-batches. (One generation for both steps also keeps the bf16
+    # comparison about precision: a second generation could sample other tokens from the slightly different weights.)
     ref, dta = compare(tmp_path, model_dir, tokenizer, dataset, loss_type=loss_type, importance_sampling_level=level,
-                       num_iterations=2)
+                       num_iterations=2, precision=precision)
     if loss_type == "grpo" and level == "token":
         assert max(entry["clip_ratio/region_mean"] for entry in ref.logs) > 0, "clipping never active"
         prompts = [[tuple(row) for row in batch["prompt_ids"].tolist()] for batch in dta.trainer._buffered_inputs]
@@ -65,9 +72,21 @@ def test_float64(tmp_path, model_dir, tokenizer, dataset):
             model_init_kwargs={"dtype": torch.float64})
 
 
-def test_beta_with_reference_model(tmp_path, model_dir, tokenizer, dataset):
-    # The reference model is reloaded from the model folder and scored through its own engine.
-    compare(tmp_path, model_dir, tokenizer, dataset, beta=0.2, num_iterations=2, loss_type="grpo")
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_beta_with_reference_model(tmp_path, model_dir, tokenizer, dataset, precision):
+    # The reference model is reloaded from the model folder and scored through its own engine; in TRL's default
+    # precision accelerate prepares it with its bf16 autocast wrapper, which the engine and its probe follow.
+    compare(tmp_path, model_dir, tokenizer, dataset, beta=0.2, num_iterations=2, loss_type="grpo", precision=precision)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_sync_ref_model(tmp_path, model_dir, tokenizer, dataset, precision):
+    # TRL's callback mixes the policy into the prepared reference model after every step: the reference engine keeps
+    # scoring the same (wrapped) module with its new weights.
+    _, dta = compare(tmp_path, model_dir, tokenizer, dataset, beta=0.1, num_iterations=2, sync_ref_model=True,
+                     ref_model_sync_steps=1, ref_model_mixup_alpha=0.5, steps=3, precision=precision)
+    reference = dta.trainer.accelerator.unwrap_model(dta.trainer.ref_model)
+    assert any(engine.model is reference for engine in dta.trainer._dta_engines.values()), "no reference engine"
 
 
 def test_beta_bias_correction_delta(tmp_path, model_dir, tokenizer, dataset):
@@ -75,10 +94,11 @@ def test_beta_bias_correction_delta(tmp_path, model_dir, tokenizer, dataset):
             epsilon_high=0.28, num_iterations=2)
 
 
-def test_lora_with_adapter_disabled_reference(tmp_path, model_dir, tokenizer, dataset):
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_lora_with_adapter_disabled_reference(tmp_path, model_dir, tokenizer, dataset, precision):
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], task_type="CAUSAL_LM")
     compare(tmp_path, model_dir, tokenizer, dataset, beta=0.2, num_iterations=2, learning_rate=0.5,
-            trainer_kwargs={"peft_config": lora})
+            trainer_kwargs={"peft_config": lora}, precision=precision)
 
 
 def test_steps_per_generation(tmp_path, model_dir, tokenizer, dataset):
@@ -107,25 +127,27 @@ SCHEDULES = {
 
 
 @pytest.mark.parametrize(
-    "loss_type,schedule,iterations",
+    "loss_type,schedule,iterations,precision",
     [
-        ("grpo", "2_steps_per_generation", 1),  # issue 9's measured defects with the old default: 0.58,
-        ("bnpo", "1_step_per_generation_4_micro_batches", 1),  # 0.14 (with spg=2),
-        ("dapo", "3_steps_per_generation", 2),  # 0.97
-        ("dapo", "window_crosses_generation", 2),
-        ("bnpo", "window_crosses_generation", 1),
-        ("dr_grpo", "4_steps_per_generation", 2),
-        ("grpo", "generation_batch_size", 2),
-        ("luspo", "window_repeats_micro_batches", 2),
+        ("grpo", "2_steps_per_generation", 1, "fp32"),  # issue 9's measured defects with the old default: 0.58,
+        ("bnpo", "1_step_per_generation_4_micro_batches", 1, "fp32"),  # 0.14 (with spg=2),
+        ("dapo", "3_steps_per_generation", 2, "fp32"),  # 0.97
+        ("dapo", "3_steps_per_generation", 2, "trl"),
+        ("dapo", "window_crosses_generation", 2, "fp32"),
+        ("bnpo", "window_crosses_generation", 1, "fp32"),
+        ("dr_grpo", "4_steps_per_generation", 2, "fp32"),
+        ("grpo", "generation_batch_size", 2, "fp32"),
+        ("luspo", "window_repeats_micro_batches", 2, "fp32"),
     ],
 )
-def test_default_settings_match_trl(tmp_path, model_dir, tokenizer, dataset, loss_type, schedule, iterations):
+def test_default_settings_match_trl(tmp_path, model_dir, tokenizer, dataset, loss_type, schedule, iterations,
+                                    precision):
     config = {"steps": 3, **SCHEDULES[schedule]}
     # One micro-batch of 2 rows per optimizer step often holds two prompts that share nothing: DTA's default sends
     # such a forest to TRL's dense path (`dta_min_compression=1.1`), so this schedule forces DTA to test it.
     dta_config = {"dta_min_compression": 0.0} if schedule == "4_steps_per_generation" else DTA
     _, dta = compare(tmp_path, model_dir, tokenizer, dataset, loss_type=loss_type, num_iterations=iterations,
-                     dta_config=dta_config, **config)
+                     dta_config=dta_config, precision=precision, **config)
     assert not dta.trainer._dta.dta_group_shuffle
 
 
@@ -458,11 +480,17 @@ def test_disabled_is_trl(tmp_path, model_dir, tokenizer, dataset):
     assert_equivalent(ref, dta, rtol=0.0, atol=0.0)
 
 
-def test_evaluation_scores_through_the_engine(tmp_path, model_dir, tokenizer, dataset):
-    # Evaluation computes TRL's loss without grad: the log-probs come from `DTAEngine.logprobs`.
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_evaluation_scores_through_the_engine(tmp_path, model_dir, tokenizer, dataset, precision):
+    # Evaluation computes TRL's loss without grad: the log-probs come from `DTAEngine.logprobs`. In TRL's default
+    # precision the bar is TRL's own bf16 error: each value within |TRL bf16 - TRL float32| of TRL's bf16 one.
     results = []
-    for cls, config_cls, extra in ((GRPOTrainer, GRPOConfig, {}), (DTAGRPOTrainer, DTAGRPOConfig, DTA)):
-        args = make_args(config_cls, tmp_path / cls.__name__, per_device_eval_batch_size=8, **extra)
+    runs = ((GRPOTrainer, GRPOConfig, {}, precision), (DTAGRPOTrainer, DTAGRPOConfig, DTA, precision))
+    if precision == "trl":
+        runs += ((GRPOTrainer, GRPOConfig, {}, "fp32"),)
+    for cls, config_cls, extra, regime in runs:
+        args = make_args(config_cls, tmp_path / f"{cls.__name__}-{regime}", per_device_eval_batch_size=8,
+                         precision=regime, **extra)
         trainer = cls(model=model_dir, reward_funcs=lambda completion_ids, **kw: [len(c) / 4 for c in completion_ids],
                       args=args, train_dataset=dataset, eval_dataset=dataset, processing_class=tokenizer)
         if cls is DTAGRPOTrainer:
@@ -472,9 +500,15 @@ def test_evaluation_scores_through_the_engine(tmp_path, model_dir, tokenizer, da
             engine.logprobs = lambda *a, **k: calls.append(1) or original(*a, **k)
         results.append(trainer.evaluate())
     assert calls, "evaluation did not score through the engine"
-    ref, dta = results
+    ref, dta = results[:2]
     for key in ("eval_loss", "eval_entropy", "eval_reward", "eval_clip_ratio/region_mean"):
-        assert dta[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), key
+        if precision == "fp32":
+            assert dta[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), key
+        else:
+            bar = abs(ref[key] - results[2][key])
+            assert abs(dta[key] - ref[key]) <= bar + 1e-6 * abs(ref[key]), (key, dta[key], ref[key], results[2][key])
+    if precision == "trl":
+        assert abs(ref["eval_entropy"] - results[2]["eval_entropy"]) > 0, "evaluation did not run in bf16"
 
 
 def test_plain_trl_config_and_argument_parser(tmp_path, model_dir, tokenizer, dataset):

@@ -17,6 +17,7 @@ import torch
 
 from .. import _checks, attention, kernels
 from ..models import TESTED_MODEL_TYPES, check_model_support
+from ..precision import Precision
 from ..tree import PrefixTree
 from .plan import ScorePlan
 from .schedule import Budgets
@@ -102,6 +103,10 @@ class DTAEngine:
             log-sum-exp; `"auto"`: the fastest exact backend on the model's device (CPU: `"torch"`; CUDA: `"flash"`
             when flash-attn is installed, else `"torch"`). All are exact; an unavailable choice is refused here.
 
+    Precision: each call runs the model under the autocast its dense forward would run under, the caller's (e.g.
+    `accelerator.autocast()`) or the one accelerate's mixed-precision wrapper puts around a prepared model's forward
+    (`trl_dta.precision`); the loss and the backward run outside autocast, as `accelerator.backward` does.
+
     Stats of the last call (`engine.last_stats`, also `DTAOutput.stats`): `sequences`, `tokens`, `tree_tokens`,
     `compression_ratio`, `forward_tokens` (real tokens forwarded, recompute included), `padded_tokens` (with row
     padding), `recomputed_tokens`, `scored_positions` (rows projected through the LM head), `peak_graph_tokens`,
@@ -126,10 +131,15 @@ class DTAEngine:
         self._check_config(self._config)
         with _CALLS_LOCK:
             _refuse_running_call(_CALLS.get(id(lm)))  # the probe below runs the model, which a running call holds
-        check_model_support(lm)  # rules + a 4-token probe against the dense forward, before any call
+        check_model_support(lm, self._precision(lm))  # rules + a 4-token probe against the dense forward
         self._device_backend(lm)  # an unavailable backend is refused here, not at the first call
         self.n_layers = self._config.num_hidden_layers
         attention.register()
+
+    def _precision(self, lm) -> Precision:
+        """The autocast `model(...)` would run under now: accelerate's wrapper of the model's forward, else the
+        caller's (`precision.py`)."""
+        return Precision.of(self.model, lm, device=lm.get_output_embeddings().weight.device)
 
     def _device_backend(self, lm) -> str:
         """The concrete backend `attn_backend` means on the model's device ("auto" resolved)."""
@@ -214,7 +224,7 @@ class DTAEngine:
                           self.lm_head_chunk_size)
         with _engine_call(lm):
             result = TreeWalk(lm, self.n_layers, tree, plan, budgets, loss_fn, temperature, entropy,
-                              self._device_backend(lm)).run()
+                              self._device_backend(lm), self._precision(lm)).run()
         stats = {**result.stats, "sequences": tree.n_sequences, "tokens": tree.n_tokens,
                  "tree_tokens": tree.n_tree_tokens, "compression_ratio": tree.compression_ratio,
                  "seconds": time.perf_counter() - t0}

@@ -6,6 +6,10 @@ is already routed to DTA (the engine's job), and returns its results and counter
 Gradient sinks: in training the keys/values pushed on the stack and a segment's scored log-probs/entropies are
 detached copies that require grad (`_grad_sink`); every descendant's backward accumulates into their `.grad`, and
 popping the segment injects those sums into the segment's own graph (`_inject`).
+
+Precision (`precision.py`): the whole walk runs under the autocast of the dense forward it reproduces
+([`Precision.forward`]), recomputed blocks included; `loss_fn` and every backward call run with autocast off
+([`Precision.outside`]), as TRL computes its loss and `accelerator.backward` runs outside `accelerator.autocast()`.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 from ..attention import AttentionContext
 from ..kv_stack import Frame, KVStack
 from ..lm_head import HeadSpec, head_logprobs
+from ..precision import Precision
 from ..tree import PrefixTree
 from .plan import BlockTargets, ScorePlan
 from .rows import pack_rows
@@ -66,14 +71,17 @@ class TreeWalk:
         loss_fn (`LossFn`, *optional*): None for a no-grad call.
         temperature (`float`), entropy (`bool`): as in [`DTAEngine.logprobs`].
         attn_backend (`str`, *optional*, defaults to `"sdpa"`): the attention backend (`attention.py`).
+        precision (`Precision`, *optional*): the autocast of the dense forward; None: the caller's.
     """
 
     def __init__(self, lm, n_layers: int, tree: PrefixTree, plan: ScorePlan, budgets: Budgets,
-                 loss_fn: LossFn | None, temperature: float, entropy: bool, attn_backend: str = "sdpa"):
+                 loss_fn: LossFn | None, temperature: float, entropy: bool, attn_backend: str = "sdpa",
+                 precision: Precision | None = None):
         self.lm = lm
         self.backbone = lm.get_decoder()
         self.head = HeadSpec.from_model(lm)
         self.device = lm.get_output_embeddings().weight.device
+        self.precision = precision if precision is not None else Precision.of(device=self.device)
         self.n_layers = n_layers
         self.tree, self.plan, self.budgets = tree, plan, budgets
         self.loss_fn = loss_fn
@@ -99,7 +107,7 @@ class TreeWalk:
                           peak_graph_tokens=0, forwards=0, backwards=0)
 
     def run(self) -> WalkResult:
-        with torch.set_grad_enabled(self.train):
+        with torch.set_grad_enabled(self.train), self.precision.forward():
             todo: list[tuple[str, int]] = [("children", -1)]
             while todo:
                 kind, s = todo.pop()
@@ -260,7 +268,8 @@ class TreeWalk:
                 tensors.append(t)
                 grads.append(g.to(t.dtype))
         if tensors:
-            torch.autograd.backward(tensors, grads)
+            with self.precision.outside():
+                torch.autograd.backward(tensors, grads)
             self.stats["backwards"] += 1
 
     def _run_rows(self, roots: list[int]) -> None:
@@ -307,7 +316,8 @@ class TreeWalk:
         if self.want_ent:
             self.ents[i] = ent.detach()
         if self.train:
-            loss = self.loss_fn(i, lp, ent)
+            with self.precision.outside():
+                loss = self.loss_fn(i, lp, ent)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
                 raise TypeError(f"`loss_fn` must return a scalar tensor, got {shape} for sequence {i}.")
@@ -330,5 +340,6 @@ class TreeWalk:
     def _backward_pending(self) -> None:
         pending, self.pending = self.pending, None
         if pending is not None and pending.requires_grad:
-            pending.backward()
+            with self.precision.outside():
+                pending.backward()
             self.stats["backwards"] += 1

@@ -199,8 +199,9 @@ def _two_part(query, path_key, path_value, key, value, *, chain, **options):
 
 # Backends by name. A two-part backend runs each part on the first kernel of its chain that is available and exact
 # for that part: soft-capping, CUDA float32 and packed rows on CUDA fall back to `math` (exact, path stored once,
-# scores materialised per part). "sdpa" is the concatenating reference (the path expanded over the rows).
-_CHAINS = {"torch": ("torch", "math"), "flash": ("flash", "torch", "math"), "triton": ("triton",)}
+# scores materialised per part), and so does half precision under the Triton interpreter (numpy has no bfloat16:
+# TRL's default bf16 autocast on CPU). "sdpa" is the concatenating reference (the path expanded over the rows).
+_CHAINS = {"torch": ("torch", "math"), "flash": ("flash", "torch", "math"), "triton": ("triton", "math")}
 _BACKENDS = {"sdpa": concat_attention, **{name: partial(_two_part, chain=chain) for name, chain in _CHAINS.items()}}
 # Whether a backend can run on a device (explicit requests only; the chains handle unsupported features).
 _BACKEND_AVAILABLE = {

@@ -370,8 +370,10 @@ def check_trainer_args(args) -> None:
     """Options of the HF/TRL config that DTA cannot honour exactly; each error names the option and the fix."""
     if args.fp16:
         raise ValueError(
-            "`fp16=True` is not supported with DTA: the engine back-propagates inside `compute_loss`, outside the fp16 "
-            f"gradient scaler. Use `bf16=True` or float32, {_OFF}"
+            "`fp16=True` is not supported with DTA: fp16 training multiplies the loss by accelerate's dynamic "
+            "GradScaler scale inside `accelerator.backward` and unscales the gradients before the optimizer step, but "
+            "the DTA engine back-propagates inside `compute_loss`, so its gradients would miss that scale. Use "
+            f"`bf16=True` (TRL's default, bf16 autocast) or `bf16=False` (float32), {_OFF}"
         )
     if args.use_liger_kernel:
         raise ValueError(
