@@ -121,6 +121,19 @@ def test_router_loss_adds_to_the_policy_loss(family):
     assert err <= 1e-5, f"gradients differ by {err:.3g} (at {where})"
 
 
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_logprobs_returns_the_router_loss(family):
+    """Without grad the walk counts as it goes: each group's value, no extra forward."""
+    model = build(family)
+    seqs, groups = forest(3)
+    with torch.no_grad():
+        want = torch.stack([dense_aux(model, seqs, g) for g in groups])
+    engine = DTAEngine(model)
+    out = engine.logprobs(seqs, router_loss=LoadBalancing(groups, [1.0] * 3))
+    assert torch.allclose(out.router_aux, want.to(out.router_aux.dtype), rtol=1e-6, atol=0)
+    assert out.stats["forward_tokens"] == out.stats["tree_tokens"]
+
+
 def test_counting_pass_is_counted():
     model = build("qwen3_moe")
     seqs, groups = forest(0)

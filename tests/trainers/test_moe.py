@@ -21,7 +21,7 @@ from moe_models import MOE_FAMILIES
 from trl_dta.engine.router_loss import ROUTER_LOSS_FAMILIES
 from trl_dta.trainers import DTAGRPOConfig, DTAGRPOTrainer, DTARLOOConfig, DTARLOOTrainer
 
-from .conftest import DTA, EOS, PAD, assert_equivalent, train
+from .conftest import DTA, EOS, PAD, assert_equivalent, make_args, train
 
 TRAINERS = {
     "grpo": (GRPOTrainer, GRPOConfig, DTAGRPOTrainer, DTAGRPOConfig),
@@ -90,6 +90,30 @@ def test_router_loss_matches_trl(tmp_path, moe_dirs, tokenizer, dataset, kind, f
         no_aux = train(TRAINERS[kind][0], TRAINERS[kind][1], moe_dirs[family], tokenizer, dataset,
                        tmp_path / "trl_no_aux", **{**config, "router_aux_loss_coef": 0.0})
         assert update_difference(no_aux, ref) > 100 * rtol, "the router loss does not move the update: vacuous"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(TRAINERS))
+def test_evaluation_with_the_router_loss(tmp_path, moe_dirs, tokenizer, dataset, kind):
+    """Evaluation's loss (no grad) includes the router loss; DTA scores it through the engine."""
+    trl_cls, trl_config, dta_cls, dta_config = TRAINERS[kind]
+    results = []
+    for cls, config_cls in ((trl_cls, trl_config), (dta_cls, dta_config)):
+        args = make_args(config_cls, tmp_path / cls.__name__, per_device_eval_batch_size=8)
+        trainer = cls(model=moe_dirs["qwen3_moe"], reward_funcs=lambda completion_ids, **kw: [len(c) / 4 for c in
+                      completion_ids], args=args, train_dataset=dataset, eval_dataset=dataset.select(range(2)),
+                      processing_class=tokenizer)
+        if cls is dta_cls:
+            calls = []
+            engine = trainer._dta_engine(trainer.accelerator.unwrap_model(trainer.model))
+            original = engine.logprobs
+            engine.logprobs = lambda *a, **k: calls.append(k.get("router_loss")) or original(*a, **k)
+        results.append(trainer.evaluate())
+    assert any(request is not None for request in calls), "the router loss was not scored through the engine"
+    ref, dta = results
+    assert ref["eval_aux_loss"] > 0
+    for key in ("eval_loss", "eval_aux_loss", "eval_entropy", "eval_reward"):
+        assert dta[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), key
 
 
 @pytest.mark.slow

@@ -159,7 +159,8 @@ class DTAEngine:
 
     @torch.no_grad()
     def logprobs(self, seqs: Iterable | PrefixTree, *, temperature: float = 1.0, entropy: bool = False,
-                 n_scored: int | Sequence[int] | None = None) -> DTAOutput:
+                 n_scored: int | Sequence[int] | None = None,
+                 router_loss: routers.LoadBalancing | None = None) -> DTAOutput:
         """Per-sequence next-token log-probs (and entropies), without grad.
 
         Args:
@@ -171,12 +172,14 @@ class DTAEngine:
             n_scored (`int` or `list[int]`, *optional*): how many trailing log-probs each sequence needs (TRL's
                 `logits_to_keep`, per sequence: the completion length), clipped to `len_i - 1`. Positions no sequence
                 needs are never projected through the LM head. None scores all `len_i - 1` positions.
+            router_loss (`LoadBalancing`, *optional*): MoE models: also return each group's load-balancing loss
+                (`DTAOutput.router_aux`; counted in the same walk, no extra forward).
 
         Returns:
             [`DTAOutput`] with `logps[i][t - 1] = log p(s_i[t] | s_i[:t])` for `t = 1 .. len_i - 1` (only the last
             `n_scored[i]` of them when given).
         """
-        return self._call(seqs, None, temperature, entropy, n_scored)
+        return self._call(seqs, None, temperature, entropy, n_scored, _router_request(router_loss))
 
     def forward_backward(self, seqs: Iterable | PrefixTree, loss_fn: LossFn, *, temperature: float = 1.0,
                          entropy: bool = False, n_scored: int | Sequence[int] | None = None,
@@ -206,9 +209,7 @@ class DTAEngine:
             raise TypeError(
                 f"`loss_fn` must be a callable (i, logps_i, entropy_i) -> scalar tensor, got {type(loss_fn).__name__}."
             )
-        if router_loss is not None and not isinstance(router_loss, routers.LoadBalancing):
-            raise TypeError(f"`router_loss` must be a `LoadBalancing` or None, got {type(router_loss).__name__}.")
-        return self._call(seqs, loss_fn, temperature, entropy, n_scored, router_loss)
+        return self._call(seqs, loss_fn, temperature, entropy, n_scored, _router_request(router_loss))
 
     # ------------------------------------------------------------------ one call
 
@@ -227,15 +228,20 @@ class DTAEngine:
         if router_loss is not None:
             spec = routers.router_spec(lm)
             router_loss.check(tree.n_sequences)
-        aux, counted = None, {}
+        aux, counted, record = None, {}, None
         with _engine_call(lm), (routers.capturing(lm, spec) if spec else contextlib.nullcontext()) as capture:
             backend = self._device_backend(lm)
             observer = None
-            if spec is not None:
+            if spec is not None and loss_fn is not None:  # training: the counting pass first
                 observer, aux, counted = self._router_counts(lm, tree, budgets, backend, spec, capture, router_loss)
+            elif spec is not None:  # no grad: the walk itself counts
+                record = routers.new_record(tree, spec, lm.dtype, lm.get_output_embeddings().weight.device)
+                observer = routers.RouterObserver(capture, spec, record=record)
             result = TreeWalk(lm, self.n_layers, tree, plan, budgets, loss_fn, temperature, entropy, backend,
                               router=observer).run()
-        if aux is not None:
+        if record is not None:
+            aux = routers.router_weights(record, tree, router_loss, spec.n_experts).aux
+        elif aux is not None:
             coefs = torch.tensor([float(c) for c in router_loss.coefs], dtype=aux.dtype, device=aux.device)
             result.loss = result.loss + (coefs * aux).sum().to(result.loss.device, result.loss.dtype)
         for key in ("forward_tokens", "padded_tokens", "forwards"):  # the counting pass's work counts too
@@ -293,6 +299,13 @@ class DTAEngine:
                     "shared prefix would be rotated differently than in the dense run of the longer sequence. Keep "
                     f"sequences within {limit} tokens."
                 )
+
+
+def _router_request(router_loss):
+    """`router_loss` checked for its type (its groups are checked against the tree)."""
+    if router_loss is not None and not isinstance(router_loss, routers.LoadBalancing):
+        raise TypeError(f"`router_loss` must be a `LoadBalancing` or None, got {type(router_loss).__name__}.")
+    return router_loss
 
 
 def _n_scored(tree: PrefixTree, n_scored) -> list[int]:

@@ -288,7 +288,6 @@ class DTATrainerMixin:
         if (
             self._dta.dta_enabled
             and not torch.is_grad_enabled()
-            and not compute_aux_loss
             and all(v is None for v in multimodal.values())
         ):
             layout = Layout.from_padded(input_ids, attention_mask, logits_to_keep)
@@ -296,13 +295,17 @@ class DTATrainerMixin:
                 tree = PrefixTree.from_sequences(layout.seqs)
                 if tree.compression_ratio >= self._dta.dta_min_compression:
                     engine = self._dta_engine(self.accelerator.unwrap_model(model))
+                    # TRL's aux loss (evaluation's `_compute_loss`): the mean over its chunks of `batch_size` rows
+                    rows, size = input_ids.size(0), batch_size or input_ids.size(0)
+                    chunks = [list(range(a, min(a + size, rows))) for a in range(0, rows, size)]
+                    router_loss = LoadBalancing(chunks, [1.0] * len(chunks)) if compute_aux_loss else None
                     with self.accelerator.autocast():
-                        out = engine.logprobs(
-                            tree, temperature=self.temperature, entropy=compute_entropy, n_scored=layout.lengths
-                        )
+                        out = engine.logprobs(tree, temperature=self.temperature, entropy=compute_entropy,
+                                              n_scored=layout.lengths, router_loss=router_loss)
                     logps = layout.gather(out.logps, input_ids.device)
                     entropies = layout.gather(out.entropies, input_ids.device) if compute_entropy else None
-                    return logps, entropies, None
+                    aux_loss = out.router_aux.mean().to(input_ids.device, torch.float32) if compute_aux_loss else None
+                    return logps, entropies, aux_loss
         return super()._get_per_token_logps_and_entropies(
             model,
             input_ids,
