@@ -131,11 +131,12 @@ def test_router_loss_in_the_two_pass_path(tmp_path, moe_dirs, tokenizer, dataset
 def test_router_loss_bf16_autocast(tmp_path, moe_dirs, tokenizer, dataset, kind, family):
     """TRL's default precision (`bf16=True` autocast over the float32 model loaded by name, the router loss on): DTA's
     update differs from TRL's bf16 update by no more than TRL's bf16 update differs from its float32 update (the
-    harness's `assert_bf16_bar`)."""
+    harness's `assert_bf16_bar`). One optimizer step: the bar needs the bf16 and float32 runs to sample the same
+    completions, which a second generation after a bf16 update need not (RLOO, Mixtral)."""
     from . import conftest
 
     if not hasattr(conftest, "compare_in_precision"):  # the bf16 regime of the harness (branch i14-precision)
         pytest.skip("the trainer harness has no bf16 regime (`compare_in_precision`) on this branch")
     trl_cls, trl_config, dta_cls, dta_config = TRAINERS[kind]
     conftest.compare_in_precision("trl", trl_cls, trl_config, dta_cls, dta_config, moe_dirs[family], tokenizer,
-                                  dataset, tmp_path)
+                                  dataset, tmp_path, steps=1)
