@@ -229,7 +229,7 @@ class DTAEngine:
             spec = routers.router_spec(lm)
             router_loss.check(tree.n_sequences)
         aux, counted, record = None, {}, None
-        with _engine_call(lm), (routers.capturing(lm, spec) if spec else contextlib.nullcontext()) as capture:
+        with _engine_call(lm), (routers.RouterCapture(lm, spec) if spec else contextlib.nullcontext()) as capture:
             backend = self._device_backend(lm)
             observer = None
             if spec is not None and loss_fn is not None:  # training: the counting pass first

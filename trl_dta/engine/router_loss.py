@@ -35,10 +35,9 @@ autocast), the counts, sums and weights in float32 (float64 for a float64 model)
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -187,7 +186,6 @@ class RouterObserver:
     spec: RouterSpec
     record: RouterCounts | None = None
     weights: torch.Tensor | None = None
-    forwards: int = field(default=0)
 
     def observe(self, nodes: torch.Tensor) -> torch.Tensor | None:
         """The forward's router term, or None.
@@ -285,9 +283,3 @@ def new_record(tree: PrefixTree, spec: RouterSpec, dtype: torch.dtype, device) -
     return RouterCounts(torch.zeros(shape, dtype=acc, device=device), torch.zeros(shape, dtype=acc, device=device),
                         torch.zeros(tree.n_tree_tokens, dtype=torch.bool, device=device))
 
-
-@contextlib.contextmanager
-def capturing(lm, spec: RouterSpec):
-    """[`RouterCapture`] of `lm` for the duration of the block."""
-    with RouterCapture(lm, spec) as capture:
-        yield capture
