@@ -6,6 +6,9 @@ is already routed to DTA (the engine's job), and returns its results and counter
 Gradient sinks: in training the keys/values pushed on the stack and a segment's scored log-probs/entropies are
 detached copies that require grad (`_grad_sink`); every descendant's backward accumulates into their `.grad`, and
 popping the segment injects those sums into the segment's own graph (`_inject`).
+
+MoE router loss (`router_loss.py`): with a `router`, each forward hands its tokens' tree indices to it; in training the
+scalar router term it returns joins the forward's own backward (the segment's `_inject`, or the rows' pending loss).
 """
 
 from __future__ import annotations
