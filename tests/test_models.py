@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import transformers
 
 from conftest import FAMILIES, VOCAB, make_model, shared_batch, use_input_dtype_norms
+from moe_models import MOE_FAMILIES, MOE_WITHOUT_AUX
 from reference import compare_grads, compare_lists, dense_forward_backward, grads_of
 from trl_dta import DTAEngine
 from trl_dta.models import DENSE_ALTERNATIVE, TESTED_MODEL_TYPES, check_model_support
@@ -33,10 +34,12 @@ SUPPORTED = {
                                                     qk_rope_head_dim=4, v_head_dim=8, dim_model_base=8, scale_emb=2.0),
     "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256,
                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True),
+    **{family: (lambda make=make: make(VOCAB)) for family, make in {**MOE_FAMILIES, **MOE_WITHOUT_AUX}.items()},
 }
 
-# Cohere's RoPE rotates q/k in float32 even in a float64 model: float32 tests only (see conftest's FLOAT32_ONLY).
-FLOAT32_ONLY = {"cohere"}
+# Cohere's RoPE rotates q/k in float32 even in a float64 model, and the MoE routers take their softmax in float32:
+# float32 tests only (see conftest's FLOAT32_ONLY).
+FLOAT32_ONLY = {"cohere", *MOE_FAMILIES, *MOE_WITHOUT_AUX}
 
 # Families that run densely but not through DTA, and a phrase of the reason each must be refused with.
 REFUSED = {
@@ -60,6 +63,7 @@ REFUSED = {
                       "s_aux"),
     "mamba": (lambda: transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2),
               "linear_attention"),
+    "mixtral-jitter": (lambda: MOE_FAMILIES["mixtral"](VOCAB, router_jitter_noise=0.1), "router_jitter_noise=0.1"),
 }
 
 
@@ -192,3 +196,19 @@ def test_peft_model_passes():
     model = peft.get_peft_model(make_model("llama", torch.float32),
                                 peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj"]))
     check_model_support(model.get_base_model())
+
+
+def test_hybrid_refusal_names_only_the_layers_dta_cannot_run():
+    """A state-space + attention + MoE + MLP hybrid (Nemotron-H) is refused for its state-space layers alone: the
+    message names them and not the position-wise MLP/MoE layers, which DTA runs."""
+    config = transformers.NemotronHConfig(
+        vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        layers_block_type=["mamba", "moe", "attention", "mlp"], mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8,
+        n_groups=1, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        moe_shared_expert_intermediate_size=16, intermediate_size=32, use_mamba_kernels=False)
+    assert {"moe", "mlp"} <= set(config.layer_types)
+    with pytest.raises(NotImplementedError) as err:
+        check_model_support(build(config, attn=None))
+    message = str(err.value)
+    assert "['linear_attention'] layers" in message and "state-space" in message, message
+    assert "'moe'" not in message and "'mlp'" not in message, message

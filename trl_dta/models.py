@@ -15,7 +15,8 @@ exactly when
 model type, the reason and the dense alternative:
 
 - **Rules**, dispatch tables of what is known not to hold: families by model type (ALiBi models) and configurations
-  by their layer types (state-space, linear-attention and chunked-attention layers).
+  by their layer types (state-space, linear-attention and chunked-attention layers), MoE routers with random noise or
+  capacity limits.
 - **Probe**: the real model on four tokens, once densely and once through DTA as a one-token prefix plus a
   three-token continuation, compared on the log-probs and entropies of the three next tokens. A failure inside
   transformers, a layer that never reaches the DTA attention (1, 2) or a different result (3, 4) becomes the error.
@@ -47,7 +48,7 @@ from .precision import Precision
 # and tests/test_engine.py). Other families that pass the probe run with a one-time warning.
 TESTED_MODEL_TYPES = frozenset({
     "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "gemma3", "phi3", "granite", "olmo", "gpt_neox",
-    "gpt2", "cohere", "minicpm3",
+    "gpt2", "cohere", "minicpm3", "qwen3_moe", "mixtral", "glm4_moe",
 })
 
 DENSE_ALTERNATIVE = (
@@ -67,13 +68,35 @@ _FAMILY_RULES: dict[str, Callable[[object], str | None]] = {
 
 # Layer types (`config.layer_types`) that are softmax attention over every earlier token or a window of them.
 _ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+# Layer types that mix no tokens (position-wise MLP and mixture-of-experts blocks, e.g. Nemotron-H's "mlp" and "moe"):
+# DTA runs them as they are, so a refusal never names them.
+_POSITION_WISE_LAYER_TYPES = frozenset({"mlp", "moe"})
 
 
 def _layer_types(config) -> str | None:
-    other = sorted(set(getattr(config, "layer_types", None) or ()) - _ATTENTION_LAYER_TYPES)
+    kinds = set(getattr(config, "layer_types", None) or ())
+    other = sorted(kinds - _ATTENTION_LAYER_TYPES - _POSITION_WISE_LAYER_TYPES)
     if other:
-        return (f"it has {other} layers; DTA runs softmax attention layers ({sorted(_ATTENTION_LAYER_TYPES)}) only, "
-                "whose whole state is the path's keys/values")
+        return (f"it has {other} layers (a token mixer with a state of its own: state-space, linear or otherwise "
+                f"non-softmax attention); DTA runs softmax attention layers ({sorted(_ATTENTION_LAYER_TYPES)}), whose "
+                "whole state is the path's keys/values, and position-wise MLP/MoE layers")
+    return None
+
+
+# Config fields of MoE routers that add random noise to the routing in training mode (Mixtral, PhiMoE, MiniMax,
+# ...): like dropout, a dense run and DTA would draw different noise.
+_ROUTER_NOISE_FIELDS = ("router_jitter_noise", "input_jitter_noise", "jitter_noise")
+
+
+def _router_noise(config) -> str | None:
+    for name in _ROUTER_NOISE_FIELDS:
+        if getattr(config, name, None):
+            return (f"its MoE router adds random jitter noise in training (`{name}={getattr(config, name)}`), which "
+                    f"DTA cannot reproduce (shared tokens would be routed with other noise than in each dense row); "
+                    f"set `{name}=0.0` in the model config")
+    if getattr(config, "expert_capacity", None):
+        return (f"its MoE layers drop the tokens beyond an expert's capacity (`expert_capacity="
+                f"{config.expert_capacity}`), which depends on the other tokens of the forward")
     return None
 
 
@@ -93,7 +116,8 @@ def _logit_scaling(config) -> str | None:
 
 
 # Checks of every family's config: each returns why DTA cannot run it, or None.
-_CONFIG_RULES: tuple[Callable[[object], str | None], ...] = (_layer_types, _chunked_attention, _logit_scaling)
+_CONFIG_RULES: tuple[Callable[[object], str | None], ...] = (_layer_types, _chunked_attention, _logit_scaling,
+                                                             _router_noise)
 
 
 def _where(exc: Exception) -> str:

@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 from peft import LoraConfig, PromptTuningConfig
-from transformers import MixtralConfig, MixtralForCausalLM
+from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_dta import _checks
@@ -401,7 +401,8 @@ def _make(tmp_path, tokenizer, dataset, model, peft_config=None, **config):
         ("liger", "`use_liger_kernel=True` is not supported with DTA"),
         ("lomo", "fuses the optimizer step into `backward`"),
         ("attention_dropout", "attention dropout is active (attention_dropout=0.1)"),
-        ("moe_aux_loss", "Set `router_aux_loss_coef=0.0`"),
+        ("moe_router_jitter", "`router_jitter_noise=0.1`"),
+        ("moe_aux_loss_other_family", "set `router_aux_loss_coef=0.0`"),
         ("prompt_tuning", "Prompt-learning adapters"),
         ("dynamic_rope", "rope_type 'dynamic'"),
     ],
@@ -416,11 +417,19 @@ def test_construction_errors(tmp_path, model_dir, tokenizer, dataset, case, mess
         config = {"optim": "lomo"}
     elif case == "attention_dropout":
         model = build_model(len(tokenizer), attention_dropout=0.1)
-    elif case == "moe_aux_loss":
+    elif case == "moe_router_jitter":  # random routing noise in training: no run reproduces another
         torch.manual_seed(0)
         model = MixtralForCausalLM(MixtralConfig(
             vocab_size=len(tokenizer), hidden_size=32, intermediate_size=32, num_hidden_layers=1,
             num_attention_heads=4, num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1,
+            router_jitter_noise=0.1,
+        ))
+    elif case == "moe_aux_loss_other_family":  # a router loss outside `ROUTER_LOSS_FAMILIES`
+        torch.manual_seed(0)
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(
+            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+            shared_expert_intermediate_size=16, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+            num_experts=2, num_experts_per_tok=1,
         ))
     elif case == "prompt_tuning":
         peft_config = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2)

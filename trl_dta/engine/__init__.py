@@ -29,11 +29,17 @@ called) as soon as all the segments of its path are live; its backward stops at 
 Every shared token is therefore forwarded once and back-propagated once (plus one re-forward in recompute mode), and
 the parameter gradients are exactly those of the dense per-sequence computation.
 
+**MoE router loss** (`router_loss.py`, `router_loss=LoadBalancing(...)`): the load-balancing loss of groups of
+sequences, linear in the router probabilities once a no-grad counting pass has given each group's routing fractions;
+every forward of the walk then adds its tokens' router term to what it back-propagates.
+
 Modules: `core.py` (public class, argument checks, the model switch), `plan.py` (score plan), `schedule.py` (rows,
-blocks or walk), `rows.py` (packed rows and their masks), `walk.py` (execution).
+blocks or walk), `rows.py` (packed rows and their masks), `walk.py` (execution), `router_loss.py` (the MoE
+load-balancing loss over the tree).
 """
 
 from .core import TESTED_MODEL_TYPES, DTAEngine, DTAOutput
+from .router_loss import ROUTER_LOSS_FAMILIES, LoadBalancing
 from .walk import LossFn
 
-__all__ = ["TESTED_MODEL_TYPES", "DTAEngine", "DTAOutput", "LossFn"]
+__all__ = ["ROUTER_LOSS_FAMILIES", "TESTED_MODEL_TYPES", "DTAEngine", "DTAOutput", "LoadBalancing", "LossFn"]

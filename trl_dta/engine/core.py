@@ -19,6 +19,7 @@ from .. import _checks, attention, kernels
 from ..models import TESTED_MODEL_TYPES, check_model_support
 from ..precision import Precision
 from ..tree import PrefixTree
+from . import router_loss as routers
 from .plan import ScorePlan
 from .schedule import Budgets
 from .walk import LossFn, TreeWalk
@@ -35,16 +36,20 @@ class DTAOutput:
     """Result of an engine call.
 
     Args:
-        loss (`torch.Tensor`, *optional*): detached sum of the `loss_fn` values (None for `logprobs`).
+        loss (`torch.Tensor`, *optional*): detached sum of the `loss_fn` values (None for `logprobs`), plus
+            `sum_m coefs[m] * router_aux[m]` with a `router_loss`.
         logps (`list[torch.Tensor]`): per sequence, detached, shape `(n_scored_i,)` (`(len_i - 1,)` by default).
         entropies (`list[torch.Tensor]`, *optional*): per sequence, same shapes, when asked.
         stats (`dict`): tree shape and work done (see [`DTAEngine`]).
+        router_aux (`torch.Tensor` of shape `(n_groups,)`, *optional*): with a `router_loss`, each group's
+            load-balancing loss (without its coefficient), detached: the dense model's `aux_loss` on that group.
     """
 
     loss: torch.Tensor | None
     logps: list[torch.Tensor]
     entropies: list[torch.Tensor] | None
     stats: dict = field(default_factory=dict)
+    router_aux: torch.Tensor | None = None
 
 
 def _causal_lm(model):
@@ -164,7 +169,8 @@ class DTAEngine:
 
     @torch.no_grad()
     def logprobs(self, seqs: Iterable | PrefixTree, *, temperature: float = 1.0, entropy: bool = False,
-                 n_scored: int | Sequence[int] | None = None) -> DTAOutput:
+                 n_scored: int | Sequence[int] | None = None,
+                 router_loss: routers.LoadBalancing | None = None) -> DTAOutput:
         """Per-sequence next-token log-probs (and entropies), without grad.
 
         Args:
@@ -176,15 +182,18 @@ class DTAEngine:
             n_scored (`int` or `list[int]`, *optional*): how many trailing log-probs each sequence needs (TRL's
                 `logits_to_keep`, per sequence: the completion length), clipped to `len_i - 1`. Positions no sequence
                 needs are never projected through the LM head. None scores all `len_i - 1` positions.
+            router_loss (`LoadBalancing`, *optional*): MoE models: also return each group's load-balancing loss
+                (`DTAOutput.router_aux`; counted in the same walk, no extra forward).
 
         Returns:
             [`DTAOutput`] with `logps[i][t - 1] = log p(s_i[t] | s_i[:t])` for `t = 1 .. len_i - 1` (only the last
             `n_scored[i]` of them when given).
         """
-        return self._call(seqs, None, temperature, entropy, n_scored)
+        return self._call(seqs, None, temperature, entropy, n_scored, _router_request(router_loss))
 
     def forward_backward(self, seqs: Iterable | PrefixTree, loss_fn: LossFn, *, temperature: float = 1.0,
-                         entropy: bool = False, n_scored: int | Sequence[int] | None = None) -> DTAOutput:
+                         entropy: bool = False, n_scored: int | Sequence[int] | None = None,
+                         router_loss: routers.LoadBalancing | None = None) -> DTAOutput:
         """Run `sum_i loss_fn(i, logps_i, entropy_i)` forward and backward through the tree.
 
         Afterwards every parameter's `.grad` has been increased by exactly what
@@ -199,6 +208,9 @@ class DTAEngine:
             entropy (`bool`, *optional*, defaults to `False`): compute entropies and pass them to `loss_fn`.
             n_scored (`int` or `list[int]`, *optional*): as in [`~DTAEngine.logprobs`]; `loss_fn` then receives the
                 last `n_scored[i]` log-probs of sequence `i`.
+            router_loss (`LoadBalancing`, *optional*): MoE models: also back-propagate `sum_m coefs[m] * aux_m`, the
+                load-balancing loss of each group of sequences as transformers computes it on the group's padded
+                batch (`router_loss.py`; costs one no-grad forward over the tree, without the LM head, first).
 
         Returns:
             [`DTAOutput`] with the detached total loss and per-sequence log-probs (and entropies).
@@ -207,11 +219,11 @@ class DTAEngine:
             raise TypeError(
                 f"`loss_fn` must be a callable (i, logps_i, entropy_i) -> scalar tensor, got {type(loss_fn).__name__}."
             )
-        return self._call(seqs, loss_fn, temperature, entropy, n_scored)
+        return self._call(seqs, loss_fn, temperature, entropy, n_scored, _router_request(router_loss))
 
     # ------------------------------------------------------------------ one call
 
-    def _call(self, seqs, loss_fn: LossFn | None, temperature, entropy, n_scored) -> DTAOutput:
+    def _call(self, seqs, loss_fn: LossFn | None, temperature, entropy, n_scored, router_loss=None) -> DTAOutput:
         t0 = time.perf_counter()
         temperature = _checks.check_float("temperature", temperature, minimum=0.0, exclusive=True)
         entropy = _checks.check_bool("entropy", entropy)
@@ -222,14 +234,47 @@ class DTAEngine:
             _checks.check_no_dropout(lm, fix=_DROPOUT_FIX)
         budgets = Budgets(self.block_size, self.max_batch_tokens, self.max_graph_tokens, self.max_pack_tokens,
                           self.lm_head_chunk_size)
-        with _engine_call(lm):
-            result = TreeWalk(lm, self.n_layers, tree, plan, budgets, loss_fn, temperature, entropy,
-                              self._device_backend(lm), self._precision(lm)).run()
+        spec = None
+        if router_loss is not None:
+            spec = routers.router_spec(lm)
+            router_loss.check(tree.n_sequences)
+        aux, counted, record = None, {}, None
+        with _engine_call(lm), (routers.RouterCapture(lm, spec) if spec else contextlib.nullcontext()) as capture:
+            backend = self._device_backend(lm)
+            observer = None
+            if spec is not None and loss_fn is not None:  # training: the counting pass first
+                observer, aux, counted = self._router_counts(lm, tree, budgets, backend, spec, capture, router_loss)
+            elif spec is not None:  # no grad: the walk itself counts
+                record = routers.new_record(tree, spec, lm.dtype, lm.get_output_embeddings().weight.device)
+                observer = routers.RouterObserver(capture, spec, record=record)
+            result = TreeWalk(lm, self.n_layers, tree, plan, budgets, loss_fn, temperature, entropy, backend,
+                              self._precision(lm), router=observer).run()
+        if record is not None:
+            aux = routers.router_weights(record, tree, router_loss, spec.n_experts).aux
+        elif aux is not None:
+            coefs = torch.tensor([float(c) for c in router_loss.coefs], dtype=aux.dtype, device=aux.device)
+            result.loss = result.loss + (coefs * aux).sum().to(result.loss.device, result.loss.dtype)
+        for key in ("forward_tokens", "padded_tokens", "forwards"):  # the counting pass's work counts too
+            result.stats[key] += counted.get(key, 0)
         stats = {**result.stats, "sequences": tree.n_sequences, "tokens": tree.n_tokens,
                  "tree_tokens": tree.n_tree_tokens, "compression_ratio": tree.compression_ratio,
                  "seconds": time.perf_counter() - t0}
         self.last_stats = dict(stats)
-        return DTAOutput(result.loss, result.logps, result.entropies, stats)
+        return DTAOutput(result.loss, result.logps, result.entropies, stats, aux)
+
+    def _router_counts(self, lm, tree: PrefixTree, budgets: Budgets, backend: str, spec, capture, request):
+        """The counting pass of the load-balancing loss (`router_loss.py`): a no-grad walk without the LM head.
+        Returns the training walk's observer, each group's loss value `(n_groups,)` and the pass's counters."""
+        device = lm.get_output_embeddings().weight.device
+        record = routers.new_record(tree, spec, lm.dtype, device)
+        counting = routers.RouterObserver(capture, spec, record=record)
+        plan = ScorePlan(tree, [0] * tree.n_sequences)
+        with torch.no_grad():
+            walk = TreeWalk(lm, self.n_layers, tree, plan, budgets, None, 1.0, False, backend,
+                             self._precision(lm), router=counting)
+            stats = walk.run().stats
+        weights = routers.router_weights(record, tree, request, spec.n_experts)
+        return routers.RouterObserver(capture, spec, weights=weights.weights), weights.aux, stats
 
     def _tree(self, seqs, lm) -> PrefixTree:
         """The batch as a tree, refused before any forward if the dense model could not run it."""
@@ -265,6 +310,13 @@ class DTAEngine:
                     "shared prefix would be rotated differently than in the dense run of the longer sequence. Keep "
                     f"sequences within {limit} tokens."
                 )
+
+
+def _router_request(router_loss):
+    """`router_loss` checked for its type (its groups are checked against the tree)."""
+    if router_loss is not None and not isinstance(router_loss, routers.LoadBalancing):
+        raise TypeError(f"`router_loss` must be a `LoadBalancing` or None, got {type(router_loss).__name__}.")
+    return router_loss
 
 
 def _n_scored(tree: PrefixTree, n_scored) -> list[int]:

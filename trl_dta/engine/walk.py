@@ -10,6 +10,9 @@ popping the segment injects those sums into the segment's own graph (`_inject`).
 Precision (`precision.py`): the whole walk runs under the autocast of the dense forward it reproduces
 ([`Precision.forward`]), recomputed blocks included; `loss_fn` and every backward call run with autocast off
 ([`Precision.outside`]), as TRL computes its loss and `accelerator.backward` runs outside `accelerator.autocast()`.
+
+MoE router loss (`router_loss.py`): with a `router`, each forward hands its tokens' tree indices to it; in training the
+scalar router term it returns joins the forward's own backward (the segment's `_inject`, or the rows' pending loss).
 """
 
 from __future__ import annotations
@@ -72,11 +75,14 @@ class TreeWalk:
         temperature (`float`), entropy (`bool`): as in [`DTAEngine.logprobs`].
         attn_backend (`str`, *optional*, defaults to `"sdpa"`): the attention backend (`attention.py`).
         precision (`Precision`, *optional*): the autocast of the dense forward; None: the caller's.
+        router (`RouterObserver`, *optional*): MoE load-balancing loss (`router_loss.py`): called after every forward
+            with its tokens' tree indices; in training, the router term it returns is back-propagated with the
+            forward's graph.
     """
 
     def __init__(self, lm, n_layers: int, tree: PrefixTree, plan: ScorePlan, budgets: Budgets,
                  loss_fn: LossFn | None, temperature: float, entropy: bool, attn_backend: str = "sdpa",
-                 precision: Precision | None = None):
+                 precision: Precision | None = None, router=None):
         self.lm = lm
         self.backbone = lm.get_decoder()
         self.head = HeadSpec.from_model(lm)
@@ -89,6 +95,7 @@ class TreeWalk:
         self.temperature = temperature
         self.want_ent = entropy
         self.attn_backend = attn_backend
+        self.router = router
         self.stack = KVStack(n_layers)
         self.tokens = [tree.tokens(s.index).to(self.device) for s in tree.segments]  # per segment (length,)
         self.fork_tokens = [torch.stack([self.tokens[c][0] for c in kids]) if kids else None  # (n_forks,)
@@ -141,10 +148,11 @@ class TreeWalk:
 
     # ------------------------------------------------------------------ model calls
 
-    def _forward(self, ids: torch.Tensor, n_real: int, positions: torch.Tensor | None = None,
-                 key_end: torch.Tensor | None = None):
-        """Forward `ids` `(batch, length)` after the current path. Returns hidden `(batch, length, hidden)` and the
-        new keys/values per layer, each `(batch, n_kv_heads, length, head_dim)`.
+    def _forward(self, ids: torch.Tensor, n_real: int, nodes: torch.Tensor | None,
+                 positions: torch.Tensor | None = None, key_end: torch.Tensor | None = None):
+        """Forward `ids` `(batch, length)` after the current path; `nodes` `(batch, length)` are their flat tree-token
+        indices (`-1` for padding). Returns hidden `(batch, length, hidden)`, the new keys/values per layer, each
+        `(batch, n_kv_heads, length, head_dim)`, and the router term of the forward (None without one).
 
         Without `key_end` the rows continue the path causally (positions `path_len + arange(length)`). With it
         (packed rows) `positions` `(batch, length)` are the tokens' depths and `key_end` `(batch, length)` says which
@@ -165,7 +173,16 @@ class TreeWalk:
         self.stats["padded_tokens"] += batch * length
         graph = self.live + (batch * length if torch.is_grad_enabled() else 0)
         self.stats["peak_graph_tokens"] = max(self.stats["peak_graph_tokens"], graph)
-        return out.last_hidden_state, [ctx.record[layer] for layer in range(self.n_layers)]
+        aux = self.router.observe(nodes) if self.router is not None else None
+        return out.last_hidden_state, [ctx.record[layer] for layer in range(self.n_layers)], aux
+
+    def _nodes(self, s: int, lo: int, hi: int) -> torch.Tensor | None:
+        """Flat tree-token indices `(1, hi - lo)` of tokens `lo .. hi - 1` of segment `s` (None without a router
+        term: nobody needs them)."""
+        if self.router is None:
+            return None
+        offset = self.tree.segments[s].offset
+        return torch.arange(offset + lo, offset + hi, device=self.device)[None]
 
     def _score(self, hidden: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor):
         """Log-probs (and entropies) `(n,)` of `targets` `(n,)` at `positions` `(n,)` of `hidden` `(length, d)`."""
@@ -203,10 +220,10 @@ class TreeWalk:
         sequences that end there."""
         length = self.tree.segments[s].length
         if graph_fits(self.budgets, self.train, self.live, length):
-            hidden, kv = self._forward(self.tokens[s][None], length)
+            hidden, kv, aux = self._forward(self.tokens[s][None], length, self._nodes(s, 0, length))
             lp, ent = self._score(hidden[0], *self._targets(s, 0, self.plan.block(s, 0, length)))
             self._push_frame(kv, length)
-            graph = (kv, lp, ent) if self.train else None
+            graph = (kv, lp, ent, aux) if self.train else None
             state = _SegmentState(self._grad_sink(lp), self._grad_sink(ent), 1, graph=graph)
             if self.train:
                 self.live += length
@@ -216,7 +233,7 @@ class TreeWalk:
             lps, ents = [], []
             with torch.no_grad():
                 for lo, hi in blocks:
-                    hidden, kv = self._forward(self.tokens[s][None, lo:hi], hi - lo)
+                    hidden, kv, _ = self._forward(self.tokens[s][None, lo:hi], hi - lo, self._nodes(s, lo, hi))
                     lp, ent = self._score(hidden[0], *self._targets(s, lo, self.plan.block(s, lo, hi)))
                     lps.append(lp)
                     ents.append(ent)
@@ -240,20 +257,21 @@ class TreeWalk:
             return
         if state.graph is not None:
             frame = self.stack.pop()
-            kv, lp, ent = state.graph
-            self._inject(frame, kv, (lp, state.out_lp.grad), (ent, None if ent is None else state.out_ent.grad))
+            kv, lp, ent, aux = state.graph
+            self._inject(frame, kv, (lp, state.out_lp.grad), (ent, None if ent is None else state.out_ent.grad),
+                         _unit(aux))
             self.live -= self.tree.segments[s].length
             return
         for lo, hi in reversed(state.blocks):
             frame = self.stack.pop()
-            hidden, kv = self._forward(self.tokens[s][None, lo:hi], hi - lo)
+            hidden, kv, aux = self._forward(self.tokens[s][None, lo:hi], hi - lo, self._nodes(s, lo, hi))
             block = self.plan.block(s, lo, hi)
             lp, ent = self._score(hidden[0], *self._targets(s, lo, block))
             self.stats["recomputed_tokens"] += hi - lo
             a, b = block.outputs
             g_lp = None if state.out_lp.grad is None else state.out_lp.grad[a:b]
             g_ent = None if ent is None or state.out_ent.grad is None else state.out_ent.grad[a:b]
-            self._inject(frame, kv, (lp, g_lp), (ent, g_ent))
+            self._inject(frame, kv, (lp, g_lp), (ent, g_ent), _unit(aux))
 
     def _inject(self, frame: Frame, kv, *outputs) -> None:
         """Back-propagate a segment's graph with the gradients accumulated on its sinks."""
@@ -277,7 +295,14 @@ class TreeWalk:
         Every token of the rows is forwarded and back-propagated exactly once."""
         segs = self.tree.segments
         packed = pack_rows(self.tree, roots, self.subtree_segments, self.subtree_tokens, self.tokens, self.device)
-        hidden, _ = self._forward(packed.ids, packed.n_real, packed.positions, packed.key_end)
+        nodes = None
+        if self.router is not None:
+            nodes = torch.full(packed.ids.shape, -1, dtype=torch.long, device=self.device)  # (batch, width)
+            for g, (b, col) in packed.columns.items():
+                nodes[b, col : col + segs[g].length] = self._nodes(g, 0, segs[g].length)[0]
+        hidden, _, aux = self._forward(packed.ids, packed.n_real, nodes, packed.positions, packed.key_end)
+        if aux is not None:
+            self.pending = aux if self.pending is None else self.pending + aux
         # Score every segment's outputs in the standard layout: internal targets, then forks to scored children.
         rows, cols, targets, sizes = [], [], [], []
         for g, (b, col) in packed.columns.items():
@@ -343,3 +368,8 @@ class TreeWalk:
             with self.precision.outside():
                 pending.backward()
             self.stats["backwards"] += 1
+
+
+def _unit(t: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """`(t, 1)`: a scalar term of a segment's graph back-propagated as it is (the router term), or `(None, None)`."""
+    return (t, None) if t is None else (t, torch.ones_like(t))

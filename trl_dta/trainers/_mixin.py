@@ -20,6 +20,10 @@ log-probs, TRL's `_compute_loss` runs on each micro-batch's log-probs as autogra
 `dL/dentropies`), and a second pass back-propagates the linear surrogate `sum_i <logps_i, dL/dlogps_i> +
 <entropies_i, dL/dentropies_i>`, whose parameter gradient is TRL's. It costs one extra no-grad forward over the forest.
 
+MoE models with TRL's router auxiliary loss (`aux_loss_enabled`, on by default): TRL adds each micro-batch's
+load-balancing loss to its loss; the engine back-propagates it over the forest, one group per micro-batch, after a
+no-grad counting pass (`engine/router_loss.py`), and the replay hands TRL's `_compute_loss` each micro-batch's value.
+
 When an optimizer step is not one forest: micro-batches of the window that come from a later generation (the window
 crosses a generation, e.g. `steps_per_generation=3, gradient_accumulation_steps=2`) get their own forest when they
 arrive; a micro-batch that is not TRL's buffered one (a `_prepare_inputs` override that does not buffer like TRL's)
@@ -53,6 +57,7 @@ from .. import _checks
 from ..balance import CostModel, forest_stats
 from ..batch import Layout, group_ids, has_vision_inputs, num_rows
 from ..engine import DTAEngine
+from ..engine.router_loss import LoadBalancing, router_spec
 from ..lm_head import HeadSpec
 from ..parallel import strategy_for
 from ..tree import PrefixTree
@@ -71,12 +76,15 @@ class _MicroStep:
         logps (`torch.Tensor` of shape `(B, T)`, *optional*): the policy's log-probs, detached.
         entropies (`torch.Tensor` of shape `(B, T)`, *optional*): their entropies.
         compression (`float`): the micro-batch's own tree compression.
+        aux_loss (`torch.Tensor`, *optional*): MoE models: the micro-batch's load-balancing loss (0-d, detached), the
+            value TRL's dense forward returns as `aux_loss`.
     """
 
     batch: dict
     logps: torch.Tensor | None = None
     entropies: torch.Tensor | None = None
     compression: float = 1.0
+    aux_loss: torch.Tensor | None = None
 
 
 def _peak_memory_mb(device: torch.device) -> float:
@@ -109,7 +117,8 @@ class DTATrainerMixin:
     _dta_trl_class: type
     _dta_config_class: type
     _dta_loss_class: type
-    _dta_replay_values: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    _dta_replay_values: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
+    _dta_aux_per_micro_step: bool = False  # TRL's `_compute_loss` divides the aux term by the accumulation steps
 
     def __init__(self, model, reward_funcs=None, args=None, *extra, **kwargs):
         if args is None:
@@ -155,12 +164,9 @@ class DTATrainerMixin:
         self._dta_parallel = strategy_for(self)  # refuses an unsupported distributed setting, whatever its source
         if self._is_vlm:
             raise ValueError(f"DTA supports text-only models; vision-language inputs need TRL's dense path: {_OFF}")
-        if self.aux_loss_enabled:
-            raise ValueError(
-                "The MoE load-balancing loss is not a sum over sequences (it is non-linear in the whole batch's router "
-                f"statistics), so DTA cannot reproduce it. Set `router_aux_loss_coef=0.0`, {_OFF}"
-            )
         model = self.accelerator.unwrap_model(self.model)
+        if self.aux_loss_enabled:  # the MoE load-balancing loss: exact over the tree for the families it knows
+            router_spec(model.get_base_model() if is_peft_model(model) else model)
         if is_peft_model(model) and any(c.is_prompt_learning for c in model.peft_config.values()):
             raise ValueError(
                 "Prompt-learning adapters (prompt/prefix/p-tuning) add virtual tokens in the PEFT model's forward, "
@@ -270,8 +276,8 @@ class DTATrainerMixin:
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
         if self._dta_replay_values is not None:
-            logps, entropies = self._dta_replay_values
-            return logps, entropies if compute_entropy else None, None
+            logps, entropies, aux_loss = self._dta_replay_values
+            return logps, entropies if compute_entropy else None, aux_loss if compute_aux_loss else None
         args = (model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss)
         if not self._dta.dta_enabled:
             return super()._get_per_token_logps_and_entropies(*args, **multimodal)
@@ -293,7 +299,6 @@ class DTATrainerMixin:
         """TRL's `_get_per_token_logps_and_entropies`, through the engine for no-grad calls whose batch compresses."""
         if (
             not torch.is_grad_enabled()
-            and not compute_aux_loss
             and all(v is None for v in multimodal.values())
         ):
             layout = Layout.from_padded(input_ids, attention_mask, logits_to_keep)
@@ -301,13 +306,17 @@ class DTATrainerMixin:
                 tree = PrefixTree.from_sequences(layout.seqs)
                 if tree.compression_ratio >= self._dta.dta_min_compression:
                     engine = self._dta_engine(self.accelerator.unwrap_model(model))
+                    # TRL's aux loss (evaluation's `_compute_loss`): the mean over its chunks of `batch_size` rows
+                    rows, size = input_ids.size(0), batch_size or input_ids.size(0)
+                    chunks = [list(range(a, min(a + size, rows))) for a in range(0, rows, size)]
+                    router_loss = LoadBalancing(chunks, [1.0] * len(chunks)) if compute_aux_loss else None
                     with self.accelerator.autocast(), self._dta_parallel.engine_call(engine, model, False):
-                        out = engine.logprobs(
-                            tree, temperature=self.temperature, entropy=compute_entropy, n_scored=layout.lengths
-                        )
+                        out = engine.logprobs(tree, temperature=self.temperature, entropy=compute_entropy,
+                                              n_scored=layout.lengths, router_loss=router_loss)
                     logps = layout.gather(out.logps, input_ids.device)
                     entropies = layout.gather(out.entropies, input_ids.device) if compute_entropy else None
-                    return logps, entropies, None
+                    aux_loss = out.router_aux.mean().to(input_ids.device, torch.float32) if compute_aux_loss else None
+                    return logps, entropies, aux_loss
         return super()._get_per_token_logps_and_entropies(
             model,
             input_ids,
@@ -320,9 +329,10 @@ class DTATrainerMixin:
         )
 
     @contextlib.contextmanager
-    def _dta_replay(self, logps: torch.Tensor, entropies: torch.Tensor | None):
-        """Make TRL's `_compute_loss` read these `(B, T)` log-probs/entropies instead of running the model."""
-        self._dta_replay_values = (logps, entropies)
+    def _dta_replay(self, logps: torch.Tensor, entropies: torch.Tensor | None, aux_loss: torch.Tensor | None = None):
+        """Make TRL's `_compute_loss` read these `(B, T)` log-probs/entropies (and MoE load-balancing loss) instead of
+        running the model."""
+        self._dta_replay_values = (logps, entropies, aux_loss)
         try:
             yield
         finally:
@@ -384,7 +394,7 @@ class DTATrainerMixin:
         if dense:
             return super().compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         self._metrics["train"]["dta/compression_ratio_micro_batch"].append(micro_step.compression)
-        with torch.no_grad(), self._dta_replay(micro_step.logps, micro_step.entropies):
+        with torch.no_grad(), self._dta_replay(micro_step.logps, micro_step.entropies, micro_step.aux_loss):
             loss = self._compute_loss(model, inputs)  # the logged value and TRL's metrics
         return loss.detach().requires_grad_().clone()  # a `grad_fn` that reaches no parameter (DeepSpeed asks one)
 
@@ -439,25 +449,29 @@ class DTATrainerMixin:
         out_device = inputs["completion_ids"].device
         run = dict(temperature=self.temperature, n_scored=forest.n_scored)
         call = self._dta_parallel.engine_call
+        router_loss = self._dta_router_loss(forest, scale)
         # Autocast covers the model computation only, as in TRL's `_get_per_token_logps_and_entropies`.
         if all(term is not None for term in terms):
             with self.accelerator.autocast(), call(engine, model, True):
-                out = engine.forward_backward(forest.tree, forest.objective(terms), entropy=True, **run)
-            forward_tokens = out.stats["forward_tokens"]
+                out = engine.forward_backward(forest.tree, forest.objective(terms), entropy=True,
+                                              router_loss=router_loss, **run)
+            forward_tokens, aux = out.stats["forward_tokens"], out.router_aux
         else:
             with self.accelerator.autocast(), call(engine, model, False):
                 out = engine.logprobs(forest.tree, entropy=True, **run)
             forward_tokens = out.stats["forward_tokens"]
             surrogate, entropy = self._dta_surrogate(model, forest, out, scale, out_device)
             with self.accelerator.autocast(), call(engine, model, True):
-                forward_tokens += engine.forward_backward(forest.tree, surrogate, entropy=entropy,
-                                                          **run).stats["forward_tokens"]
+                second = engine.forward_backward(forest.tree, surrogate, entropy=entropy, router_loss=router_loss,
+                                                 **run)
+            forward_tokens, aux = forward_tokens + second.stats["forward_tokens"], second.router_aux
         logps = forest.split(out.logps, out_device)
         entropies = forest.split(out.entropies, out_device)
         seconds = time.perf_counter() - start  # the engine's work; the per-micro-batch trees below are metrics only
         for k, step in enumerate(forest.steps):
             compression = PrefixTree.from_sequences(forest.layouts[k].seqs).compression_ratio
-            self._dta_micro_steps[step] = _MicroStep(forest.batches[k], logps[k], entropies[k], compression)
+            aux_k = None if aux is None else aux[k].to(out_device, torch.float32)
+            self._dta_micro_steps[step] = _MicroStep(forest.batches[k], logps[k], entropies[k], compression, aux_k)
 
         self._dta_step_time += seconds
         if self._dta.dta_cost_model == "fit":
@@ -471,6 +485,18 @@ class DTATrainerMixin:
         metrics["dta/micro_batches_per_forest"].append(float(len(forest.steps)))
         metrics["dta/peak_memory_mb"].append(_peak_memory_mb(device))
 
+    def _dta_router_loss(self, forest: StepForest, scale: float) -> LoadBalancing | None:
+        """The window's MoE load-balancing loss for the engine, or None without one: a group per micro-batch (TRL
+        computes it per micro-batch forward), weighted as TRL's `_compute_loss` adds it (`router_aux_loss_coef`,
+        divided by the accumulation steps where TRL divides it) times the scale of the backward."""
+        if not self.aux_loss_enabled:
+            return None
+        coef = self.router_aux_loss_coef * scale
+        if self._dta_aux_per_micro_step:
+            coef /= self.current_gradient_accumulation_steps
+        groups = [list(range(lo, hi)) for lo, hi in zip(forest.offsets, forest.offsets[1:])]
+        return LoadBalancing(groups, [coef] * len(groups))
+
     def _dta_surrogate(self, model, forest: StepForest, first, scale: float, device):
         """The two-pass path's per-sequence surrogate: TRL's `_compute_loss` on each micro-batch's first-pass log-probs
         (autograd inputs) gives `dL/dlogps` and `dL/dentropies`; returns the surrogate and whether it needs entropies."""
@@ -478,7 +504,8 @@ class DTATrainerMixin:
         for batch, logps, entropies in zip(forest.batches, forest.split(first.logps, device),
                                            forest.split(first.entropies, device)):
             logps, entropies = logps.requires_grad_(), entropies.requires_grad_()
-            with self._dta_replay(logps, entropies), self._dta_unlogged():
+            aux = torch.zeros((), device=device) if self.aux_loss_enabled else None  # a constant of dL/dlogps
+            with self._dta_replay(logps, entropies, aux), self._dta_unlogged():
                 loss = self._compute_loss(model, batch)
             grad_logps, grad_entropies = torch.autograd.grad(loss * scale, (logps, entropies), allow_unused=True)
             grads.append((torch.zeros_like(logps) if grad_logps is None else grad_logps, grad_entropies))

@@ -30,8 +30,10 @@ class DTAGRPOTrainer(DTATrainerMixin, GRPOTrainer):
     importance-sampling correction, the off-policy mask, the entropy bonus and data parallelism over several processes
     run in one pass over the forest. `top_entropy_quantile < 1` (an entropy threshold over each micro-batch) and a
     subclass's own `_compute_loss` run an exact two-pass path (one extra no-grad forward over the forest).
-    Unsupported, with an error at construction: vision-language inputs, the MoE auxiliary loss, prompt-learning
-    adapters, active dropout, fp16, DeepSpeed/FSDP, Liger kernels, LOMO optimizers.
+    MoE models run with TRL's router auxiliary (load-balancing) loss, exactly (`trl_dta/engine/router_loss.py`: one
+    extra no-grad forward over the forest). Unsupported, with an error at construction: vision-language inputs, the
+    MoE auxiliary loss of families other than `ROUTER_LOSS_FAMILIES`, prompt-learning adapters, active dropout, fp16,
+    DeepSpeed/FSDP, Liger kernels, LOMO optimizers.
 
     Example:
 
@@ -51,6 +53,7 @@ class DTAGRPOTrainer(DTATrainerMixin, GRPOTrainer):
     _dta_trl_class = GRPOTrainer
     _dta_config_class = DTAGRPOConfig
     _dta_loss_class = GRPOSequenceLoss
+    _dta_aux_per_micro_step = True  # `loss + router_aux_loss_coef * aux_loss / current_gradient_accumulation_steps`
     _tag_names = [*GRPOTrainer._tag_names, "trl-dta"]
     _dta_trees: TreeRollouts | None = None
 

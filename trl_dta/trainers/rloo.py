@@ -16,8 +16,9 @@ class DTARLOOTrainer(DTATrainerMixin, RLOOTrainer):
     Takes exactly the arguments of [`~trl.RLOOTrainer`]; `args` is a [`DTARLOOConfig`] (a plain `RLOOConfig` uses the
     DTA defaults). Overrides the same hooks as [`DTAGRPOTrainer`] (see `trl_dta/trainers/_mixin.py`). Every RLOO
     setting (`num_iterations`, `steps_per_generation`, `beta > 0`, PEFT, several processes) runs in one pass over the
-    forest; a subclass's own `_compute_loss` runs an exact two-pass path. Unsupported, with an error at construction:
-    vision-language inputs, the MoE auxiliary loss, prompt-learning adapters, active dropout, fp16, DeepSpeed/FSDP,
+    forest; a subclass's own `_compute_loss` runs an exact two-pass path; MoE models run with TRL's router auxiliary
+    loss, exactly. Unsupported, with an error at construction: vision-language inputs, the MoE auxiliary loss of
+    families other than `ROUTER_LOSS_FAMILIES`, prompt-learning adapters, active dropout, fp16, DeepSpeed/FSDP,
     Liger kernels, LOMO optimizers.
     """
 

@@ -1,0 +1,162 @@
+"""The MoE load-balancing loss over a prefix tree (`trl_dta/engine/router_loss.py`) against transformers' own
+`load_balancing_loss_func` on each group's padded dense batch: value and parameter gradients, for forests whose groups
+share prefixes with each other, under every way the walk can forward a token (kept graphs, block recompute, packed
+rows, segments one by one)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers
+
+from conftest import VOCAB
+from moe_models import MOE_FAMILIES, MOE_WITHOUT_AUX
+from reference import compare_grads, grads_of
+from trl_dta import DTAEngine
+from trl_dta.engine.router_loss import ROUTER_LOSS_FAMILIES, LoadBalancing
+
+# Ways the walk forwards tokens with grad: rows of small subtrees; every graph kept, segments one by one; block
+# recompute of every segment.
+BUDGETS = {
+    "default": {},
+    "segments": dict(max_pack_tokens=0),
+    "recompute": dict(max_pack_tokens=0, max_graph_tokens=0, block_size=3),
+}
+
+
+def build(family: str, dtype=torch.float32, seed: int = 0):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(MOE_FAMILIES[family](VOCAB), attn_implementation="sdpa")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)  # routers away from uniform, so the counts vary
+    return model.to(dtype).eval()
+
+
+def forest(seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Sequences with shared prompts (and a shared system prefix), split into three groups so that a prompt's
+    completions land in several groups; a duplicate, a sequence that is a prefix of another, and a lone one."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, VOCAB) for _ in range(4)]
+    seqs = []
+    for _ in range(3):
+        prompt = system + [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 5))]
+        for _ in range(rng.randint(2, 4)):
+            seqs.append(prompt + [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 6))])
+    seqs.append(list(seqs[0]))  # a duplicate
+    seqs.append(seqs[1][: len(seqs[1]) - 1])  # a prefix of another sequence
+    seqs.append([rng.randrange(3, VOCAB) for _ in range(5)])  # shares nothing
+    order = list(range(len(seqs)))
+    rng.shuffle(order)
+    groups = [sorted(order[k::3]) for k in range(3)]
+    return seqs, groups
+
+
+def dense_aux(model, seqs: list[list[int]], group: list[int]) -> torch.Tensor:
+    """transformers' `aux_loss` of the group's right-padded batch (with its attention mask), with autograd."""
+    width = max(len(seqs[i]) for i in group)
+    ids = torch.zeros(len(group), width, dtype=torch.long)
+    mask = torch.zeros(len(group), width, dtype=torch.long)
+    for row, i in enumerate(group):
+        ids[row, : len(seqs[i])] = torch.tensor(seqs[i])
+        mask[row, : len(seqs[i])] = 1
+    return model(input_ids=ids, attention_mask=mask, output_router_logits=True).aux_loss
+
+
+def dense_router_loss(model, seqs, groups, coefs):
+    model.zero_grad(set_to_none=True)
+    values = [dense_aux(model, seqs, g) for g in groups]
+    sum(c * v for c, v in zip(coefs, values)).backward()
+    return torch.stack([v.detach() for v in values]), grads_of(model)
+
+
+def zero_loss(i, lp, ent):
+    return lp.sum() * 0.0
+
+
+@pytest.mark.parametrize("budget", list(BUDGETS))
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_router_gradient_equals_dense(family, budget):
+    """The aux term alone (the policy loss is zero): DTA's gradient vs transformers' function's backward."""
+    model = build(family)
+    coefs = [0.7, 1.3, 0.2]
+    for seed in [list(BUDGETS).index(budget)]:  # another forest per walk mode
+        seqs, groups = forest(seed)
+        want_aux, want = dense_router_loss(model, seqs, groups, coefs)
+        model.zero_grad(set_to_none=True)
+        out = DTAEngine(model, **BUDGETS[budget]).forward_backward(
+            seqs, zero_loss, router_loss=LoadBalancing(groups, coefs))
+        assert out.stats["compression_ratio"] > 1.2
+        assert torch.allclose(out.router_aux, want_aux.to(out.router_aux.dtype), rtol=1e-6, atol=0)
+        assert torch.allclose(out.loss, (torch.tensor(coefs) * want_aux).sum(), rtol=1e-6)
+        err, where = compare_grads(grads_of(model), want)
+        assert err <= 1e-5, f"seed {seed}: router-loss gradients differ by {err:.3g} (at {where})"
+        assert any("gate" in n or "router" in n for n in want)  # the routers themselves receive a gradient
+
+
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_router_loss_adds_to_the_policy_loss(family):
+    """Policy loss and router loss together, the multiplicities of a forest whose groups overlap in tokens."""
+    model = build(family, seed=1)
+    seqs, groups = forest(5)
+    coefs = [0.5, 0.5, 0.5]
+
+    def loss_fn(i, lp, ent):
+        return torch.exp(lp.mean()) * (1 + 0.1 * i) if lp.numel() else lp.sum()
+
+    model.zero_grad(set_to_none=True)
+    total = sum(c * dense_aux(model, seqs, g) for c, g in zip(coefs, groups))
+    for i, s in enumerate(seqs):
+        logits = model(torch.tensor([s])).logits[0, :-1].float()
+        lp = logits.log_softmax(-1).gather(-1, torch.tensor(s[1:])[:, None]).squeeze(-1)
+        total = total + loss_fn(i, lp, None)
+    total.backward()
+    want = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    out = DTAEngine(model).forward_backward(seqs, loss_fn, router_loss=LoadBalancing(groups, coefs))
+    assert torch.allclose(out.loss, total.detach(), rtol=1e-5)
+    err, where = compare_grads(grads_of(model), want)
+    assert err <= 1e-5, f"gradients differ by {err:.3g} (at {where})"
+
+
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_logprobs_returns_the_router_loss(family):
+    """Without grad the walk counts as it goes: each group's value, no extra forward."""
+    model = build(family)
+    seqs, groups = forest(3)
+    with torch.no_grad():
+        want = torch.stack([dense_aux(model, seqs, g) for g in groups])
+    engine = DTAEngine(model)
+    out = engine.logprobs(seqs, router_loss=LoadBalancing(groups, [1.0] * 3))
+    assert torch.allclose(out.router_aux, want.to(out.router_aux.dtype), rtol=1e-6, atol=0)
+    assert out.stats["forward_tokens"] == out.stats["tree_tokens"]
+
+
+def test_counting_pass_is_counted():
+    model = build("qwen3_moe")
+    seqs, groups = forest(0)
+    engine = DTAEngine(model)
+    plain = engine.forward_backward(seqs, zero_loss).stats["forward_tokens"]
+    with_aux = engine.forward_backward(seqs, zero_loss, router_loss=LoadBalancing(groups, [1.0] * 3))
+    assert with_aux.stats["forward_tokens"] == plain + with_aux.stats["tree_tokens"]
+
+
+def test_router_loss_refused_for_other_families():
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(MOE_WITHOUT_AUX["glm4_moe"](VOCAB)).eval()
+    assert model.config.model_type not in ROUTER_LOSS_FAMILIES
+    with pytest.raises(NotImplementedError, match="router_aux_loss_coef=0.0"):
+        DTAEngine(model).forward_backward([[3, 4, 5]], zero_loss, router_loss=LoadBalancing([[0]], [1.0]))
+
+
+@pytest.mark.parametrize("request_, error", [
+    (LoadBalancing([[0], [1]], [1.0]), "2 groups but 1 coefficients"),
+    (LoadBalancing([[0, 7]], [1.0]), r"groups\[0\]` names sequence 7"),
+    (LoadBalancing([[0]], [float("nan")]), "must be finite"),
+])
+def test_bad_router_loss_requests(request_, error):
+    model = build("mixtral")
+    with pytest.raises(ValueError, match=error):
+        DTAEngine(model).forward_backward([[3, 4, 5], [3, 4]], zero_loss, router_loss=request_)
