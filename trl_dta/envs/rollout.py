@@ -15,7 +15,9 @@ training sequence per episode, environment tokens masked: TRL's `env_mask`) and 
 turn, `ids[:e_k]`, completion = the turn) come from the same record; the per-turn sequences of an episode are nested
 prefixes of each other, and all episodes of a domain share the system prompt.
 
-Episodes run in lockstep: each round asks the generator for one turn of every unfinished episode in one batch. The
+The loop is domain-free ([`run_sessions`] over [`Session`]s: prompt ids, `step(turn ids) -> reply ids`); the
+stand-in retail domain's text protocol is one kind of session ([`play_episodes`]), tau2-bench's chat-template
+episodes another (`trl_dta.envs.tau2.episode`). Episodes run in lockstep: each round asks the generator for one turn of every unfinished episode in one batch. The
 last token of an episode is always a policy token: the reply that ends an episode (the user's `(stop)`, or the answer
 to the last allowed turn) stays in `messages` but is not tokenized, as nothing would be generated after it.
 
@@ -29,7 +31,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from transformers import GenerationConfig
@@ -38,7 +40,7 @@ from .._checks import check_int
 from ..batch import SAMPLE_LAYOUTS
 from .env import RetailDomain, RetailEnv
 from .protocol import render_reply
-from .reward import RewardBreakdown
+from .reward import RewardBreakdown  # noqa: F401 (documented type of Episode.reward)
 
 
 class Generation(NamedTuple):
@@ -65,7 +67,7 @@ class Episode:
     """A finished episode.
 
     Args:
-        task_id (`int`): its task.
+        task_id (`int` or `str`): its task.
         ids (`list[int]`): the whole conversation, prompt included, `(n_tokens,)`.
         env_mask (`list[int]`): `(n_tokens,)`, 1 for tokens the policy generated, 0 for prompt and environment tokens
             (TRL's `env_mask`/`tool_mask` convention).
@@ -75,10 +77,11 @@ class Episode:
         turns (`list[Turn]`): the agent turns, in order.
         messages (`list[tuple[str, str]]`): the conversation after the prompt as text, `(role, text)`.
         end_reason (`str`): `"user_stop"`, `"max_turns"` or `"max_tokens"`.
-        reward (`RewardBreakdown`): the episode's reward and its parts.
+        reward: the episode's grade: a [`RewardBreakdown`] for the stand-in retail domain, tau2's `RewardInfo` for
+            the tau2 domains (both have `.reward`).
     """
 
-    task_id: int
+    task_id: int | str
     ids: list[int]
     env_mask: list[int]
     logprobs: list[float] | None
@@ -86,7 +89,7 @@ class Episode:
     turns: list[Turn] = field(default_factory=list)
     messages: list[tuple[str, str]] = field(default_factory=list)
     end_reason: str = ""
-    reward: RewardBreakdown | None = None
+    reward: object = None
 
 
 def _append(episode: Episode, ids: Sequence[int], from_policy: bool, logprobs: Sequence[float] | None) -> None:
@@ -94,6 +97,102 @@ def _append(episode: Episode, ids: Sequence[int], from_policy: bool, logprobs: S
     episode.env_mask.extend([int(from_policy)] * len(ids))
     if episode.logprobs is not None:
         episode.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+
+
+class Session(Protocol):
+    """One episode as the rollout drives it: token ids in, token ids out (see [`run_sessions`]).
+
+    Attributes:
+        prompt_ids (`list[int]`): the episode's prompt.
+        done (`bool`): whether the episode has ended (after `step` or `stop`).
+    """
+
+    prompt_ids: list[int]
+    done: bool
+
+    def step(self, turn_ids: list[int]) -> list[int]:
+        """Plays one policy turn; returns the environment's answer as token ids, ending with the next turn's header
+        (ignored once `done`)."""
+
+    def stop(self, reason: str) -> None:
+        """Ends the episode for a reason of the rollout's (`"max_tokens"`)."""
+
+
+def run_sessions(
+    sessions: Sequence[Session],
+    task_ids: Sequence,
+    generate: GenerateFn,
+    *,
+    max_turn_tokens: int = 64,
+    max_tokens: int = 1024,
+) -> list[Episode]:
+    """Plays `sessions` in lockstep with the policy behind `generate`: the rollout loop shared by every domain.
+
+    Args:
+        sessions (`Sequence[Session]`): fresh episodes, one per rollout.
+        task_ids (`Sequence`): the task of each session (kept in `Episode.task_id`).
+        generate (`GenerateFn`): see [`play_episodes`].
+        max_turn_tokens (`int`, *optional*, defaults to `64`): tokens per policy turn.
+        max_tokens (`int`, *optional*, defaults to `1024`): tokens per episode, prompt included.
+
+    Returns:
+        `list[Episode]`: one per session, without `messages`, `end_reason` and `reward` (the domain's to fill).
+    """
+    max_turn_tokens = check_int("max_turn_tokens", max_turn_tokens, minimum=1)
+    max_tokens = check_int("max_tokens", max_tokens, minimum=2)
+    episodes = []
+    for session, task_id in zip(sessions, task_ids, strict=True):
+        prompt_ids = list(session.prompt_ids)
+        if len(prompt_ids) >= max_tokens:
+            raise ValueError(
+                f"the prompt of task {task_id} has {len(prompt_ids)} tokens, which leaves no room for a turn within "
+                f"`max_tokens={max_tokens}`; raise `max_tokens` or shorten the system prompt."
+            )
+        episodes.append(Episode(task_id, prompt_ids, [0] * len(prompt_ids), [0.0] * len(prompt_ids),
+                                len(prompt_ids)))
+    while active := [i for i, session in enumerate(sessions) if not session.done]:
+        budgets = [min(max_turn_tokens, max_tokens - len(episodes[i].ids)) for i in active]
+        outputs = generate([list(episodes[i].ids) for i in active], budgets)
+        if len(outputs) != len(active):
+            raise ValueError(f"`generate` returned {len(outputs)} generations for {len(active)} prefixes.")
+        for i, output, budget in zip(active, outputs, budgets):
+            episode, session = episodes[i], sessions[i]
+            if not 1 <= len(output.ids) <= budget:
+                raise ValueError(f"`generate` returned {len(output.ids)} tokens for a turn limited to {budget}; it "
+                                 "must return between 1 and max_new_tokens tokens per prefix.")
+            if output.logprobs is None:
+                episode.logprobs = None
+            elif len(output.logprobs) != len(output.ids):
+                raise ValueError("`generate` returned log-probs and token ids of different lengths.")
+            start = len(episode.ids)
+            _append(episode, output.ids, True, output.logprobs)
+            episode.turns.append(Turn(start, len(episode.ids)))
+            reply = session.step(list(output.ids))
+            if session.done:
+                continue
+            if len(episode.ids) + len(reply) >= max_tokens:
+                session.stop("max_tokens")
+                continue
+            _append(episode, reply, False, None)
+    return episodes
+
+
+class _TextSession:
+    """A retail episode ([`RetailEnv`]) in the plain-text protocol, as a [`Session`]."""
+
+    def __init__(self, env: RetailEnv, prompt_ids: list[int], tokenizer):
+        self.env, self.prompt_ids, self.tokenizer = env, prompt_ids, tokenizer
+
+    @property
+    def done(self) -> bool:
+        return self.env.done
+
+    def step(self, turn_ids: list[int]) -> list[int]:
+        role, text = self.env.step(self.tokenizer.decode(turn_ids, skip_special_tokens=True))
+        return [] if self.env.done else self.tokenizer(render_reply(role, text), add_special_tokens=False)["input_ids"]
+
+    def stop(self, reason: str) -> None:
+        self.env.stop(reason)
 
 
 def play_episodes(
@@ -107,7 +206,7 @@ def play_episodes(
     max_turn_tokens: int = 64,
     max_tokens: int = 1024,
 ) -> list[Episode]:
-    """Plays `num_generations` episodes of every task with the policy behind `generate`.
+    """Plays `num_generations` episodes of every task of the stand-in retail domain with the policy behind `generate`.
 
     Args:
         domain ([`~envs.env.RetailDomain`]): the domain.
@@ -126,47 +225,15 @@ def play_episodes(
         `list[Episode]`: `len(task_ids) * num_generations` episodes, the `num_generations` of a task next to each other.
     """
     num_generations = check_int("num_generations", num_generations, minimum=1)
-    max_turn_tokens = check_int("max_turn_tokens", max_turn_tokens, minimum=1)
-    max_tokens = check_int("max_tokens", max_tokens, minimum=2)
-    episodes: list[Episode] = []
-    envs: list[RetailEnv] = []
+    sessions, ids = [], []
     for task_id in task_ids:
         prompt_ids = tokenizer(domain.prompt(task_id))["input_ids"]
-        if len(prompt_ids) >= max_tokens:
-            raise ValueError(
-                f"the prompt of task {task_id} has {len(prompt_ids)} tokens, which leaves no room for a turn within "
-                f"`max_tokens={max_tokens}`; raise `max_tokens` or shorten the policy (`policy_chars`)."
-            )
         for _ in range(num_generations):
-            episodes.append(Episode(domain.task(task_id).task_id, list(prompt_ids), [0] * len(prompt_ids),
-                                    [0.0] * len(prompt_ids), len(prompt_ids)))
-            envs.append(domain.episode(task_id, max_turns=max_turns))
-    while active := [i for i, env in enumerate(envs) if not env.done]:
-        budgets = [min(max_turn_tokens, max_tokens - len(episodes[i].ids)) for i in active]
-        outputs = generate([list(episodes[i].ids) for i in active], budgets)
-        if len(outputs) != len(active):
-            raise ValueError(f"`generate` returned {len(outputs)} generations for {len(active)} prefixes.")
-        for i, output, budget in zip(active, outputs, budgets):
-            episode, env = episodes[i], envs[i]
-            if not 1 <= len(output.ids) <= budget:
-                raise ValueError(f"`generate` returned {len(output.ids)} tokens for a turn limited to {budget}; it "
-                                 "must return between 1 and max_new_tokens tokens per prefix.")
-            if output.logprobs is None:
-                episode.logprobs = None
-            elif len(output.logprobs) != len(output.ids):
-                raise ValueError("`generate` returned log-probs and token ids of different lengths.")
-            start = len(episode.ids)
-            _append(episode, output.ids, True, output.logprobs)
-            episode.turns.append(Turn(start, len(episode.ids)))
-            role, text = env.step(tokenizer.decode(output.ids, skip_special_tokens=True))
-            if env.done:
-                continue
-            reply = tokenizer(render_reply(role, text), add_special_tokens=False)["input_ids"]
-            if len(episode.ids) + len(reply) >= max_tokens:
-                env.stop("max_tokens")
-                continue
-            _append(episode, reply, False, None)
-    for episode, env in zip(episodes, envs):
+            sessions.append(_TextSession(domain.episode(task_id, max_turns=max_turns), prompt_ids, tokenizer))
+            ids.append(domain.task(task_id).task_id)
+    episodes = run_sessions(sessions, ids, generate, max_turn_tokens=max_turn_tokens, max_tokens=max_tokens)
+    for episode, session in zip(episodes, sessions):
+        env = session.env
         episode.messages, episode.end_reason, episode.reward = env.messages, env.end_reason, env.reward()
     return episodes
 
