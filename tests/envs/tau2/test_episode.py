@@ -6,7 +6,7 @@ import pytest
 
 from trl_dta.envs.tau2 import ScriptedUser, Tau2Session, play_tau2_episodes
 
-from .conftest import ScriptedPolicy, get_domain, renderer_for, turn_ids
+from .conftest import ScriptedPolicy, get_domain, renderer_for
 
 
 def play(domain, task, tokenizer, turns, **kwargs):
