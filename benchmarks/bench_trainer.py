@@ -27,6 +27,11 @@ on the same rows; in the episode layout that is `GRPOTrainer`'s computation) and
 compression are those of the step's forest (all rows of the generation: one generation per optimizer step) over the
 dense run of the same layout; `step_vs_dense_episode` compares step times across layouts. Writes
 `benchmarks/results/trainer-agent[-quick].csv/.png/.md`.
+
+`--agent --domain airline|retail|telecom|mock`: the same on a real tau2-bench domain (`benchmarks.tau2_workload`):
+gold-action episodes and variants of them, tau2's system prompt and tool schemas, tool outputs from the real database,
+lengths of a real BPE tokenizer (DeepSeek's, bundled with litellm). `--stats-only --domain all` prints the workload
+numbers of every domain without training (`benchmarks/results/tau2-agent-stats.*`).
 """
 
 from __future__ import annotations
@@ -252,12 +257,36 @@ def agent_script(task, variant: int) -> list[str]:
     return turns
 
 
+class _Tau2Prompts:
+    """The task lookup of [`ReplayRollout`] for tau2 workloads: dataset prompts are `"tau2 task <id>"`."""
+
+    @staticmethod
+    def task_id_of(prompt: str) -> str:
+        return prompt.removeprefix("tau2 task ")
+
+
 def agent_episodes(sizes: dict, seed: int = 0):
-    """The `group` scripted episodes of each of `tasks` tasks, played in the real environment (`trl_dta.envs`).
+    """The `group` scripted episodes of each of `tasks` tasks, played in the stand-in retail environment
+    (`trl_dta.envs`), or, with `sizes["domain"]` a tau2 domain, gold-action episodes of the real domain
+    (`benchmarks.tau2_workload`, ids relabelled compactly for the benchmark model's vocabulary).
 
     Returns:
-        `tuple[RetailDomain, tokenizer, list[Episode]]`: episodes task by task, a task's `group` episodes adjacent.
+        `tuple[domain, tokenizer, list[Episode]]`: episodes task by task, a task's `group` episodes adjacent.
     """
+    if sizes.get("domain", "standin") != "standin":
+        from trl_dta.envs.tau2 import Tau2Domain
+        from trl_dta.tiny import build_tokenizer
+
+        from . import tau2_workload
+
+        bpe = tau2_workload.bpe_chat_tokenizer()
+        domain = Tau2Domain(sizes["domain"])
+        episodes = tau2_workload.gold_episodes(domain, tau2_workload.domain_task_ids(domain, sizes["tasks"]),
+                                               sizes["group"], bpe)
+        tokenizer = build_tokenizer()  # pad 0, eos 2: the relabelled episodes' special ids
+        vocab = get_model_shape(sizes.get("shape", "bench-cpu")).vocab_size
+        tau2_workload.compact_ids(episodes, vocab, bpe.eos_token_id, new_eos=tokenizer.eos_token_id)
+        return _Tau2Prompts(), tokenizer, episodes
     from trl_dta.envs import Generation, RetailDomain, play_episodes
     from trl_dta.tiny import build_tokenizer
 
@@ -341,9 +370,16 @@ def measure_agent(sizes: dict, layout: str, method: str, shape: str, device: str
                               steps=steps, dtype=dtype, device=device, seed=seed, max_completion_length=64,
                               gradient_checkpointing=False,  # both methods keep every graph (the fastest of each)
                               dta_enabled=method == "dta", dta_sample_layout=layout)
-        trainer = DTAGRPOTrainer(model=model, reward_funcs=episode_reward, args=config,
-                                 train_dataset=build_dataset(domain, sizes["tasks"]), processing_class=tokenizer,
-                                 rollout_func=ReplayRollout(domain, episodes), callbacks=[timer])
+        if isinstance(domain, _Tau2Prompts):
+            from datasets import Dataset
+
+            dataset = Dataset.from_dict({"prompt": [f"tau2 task {i}" for i in dict.fromkeys(e.task_id for e in
+                                                                                           episodes)]})
+        else:
+            dataset = build_dataset(domain, sizes["tasks"])
+        trainer = DTAGRPOTrainer(model=model, reward_funcs=episode_reward, args=config, train_dataset=dataset,
+                                 processing_class=tokenizer, rollout_func=ReplayRollout(domain, episodes),
+                                 callbacks=[timer])
         trainer.train()
         peak = timer.memory.peak_mb()
     # the compression of the forests the engine ran (one per optimizer step, averaged over the run), as logged
@@ -382,6 +418,16 @@ def run_agent(args, shape: str, threads: int | None) -> None:
     sizes = dict(AGENT_SIZES["quick" if args.quick else "full"])
     sizes.update({k: v for k, v in (("tasks", args.agent_tasks), ("group", args.agent_group),
                                     ("policy_chars", args.policy_chars)) if v is not None})
+    if args.domain != "standin":
+        from . import tau2_workload
+
+        domains = tau2_workload.DOMAINS if args.domain == "all" else (args.domain,)
+        if args.stats_only:
+            tau2_workload.run_stats(domains, sizes["tasks"], sizes["group"])
+            return
+        if len(domains) != 1:
+            raise SystemExit("--domain all only with --stats-only; train one domain at a time")
+        sizes.update(domain=args.domain, shape=shape)
     _, _, episodes = agent_episodes(sizes)
     turns = [len(e.turns) for e in episodes]
     common.log(f"== agent: {sizes}; {len(episodes)} episodes, {min(turns)}-{max(turns)} turns, prompt "
@@ -406,12 +452,13 @@ def run_agent(args, shape: str, threads: int | None) -> None:
                       and r.get("step_s")), None)
     for row in rows:  # step times across layouts: the layouts train different row counts over the same episodes
         row["step_vs_dense_episode"] = reference["step_s"] / row["step_s"] if reference and row.get("step_s") else None
-    name = "trainer-agent" + ("-quick" if args.quick else "") + ("" if args.device == "cpu"
-                                                                  else f"-{args.device}-{args.dtype}")
+    name = "trainer-agent" + ("" if args.domain == "standin" else f"-tau2-{args.domain}") + \
+        ("-quick" if args.quick else "") + ("" if args.device == "cpu" else f"-{args.device}-{args.dtype}")
     path = common.write_csv(rows, f"benchmarks/results/{name}.csv")
     common.plot(path)
     table = common.markdown_table(rows, columns=AGENT_COLUMNS)
-    command = "python -m benchmarks.bench_trainer --agent" + (" --quick" if args.quick else "")
+    command = "python -m benchmarks.bench_trainer --agent" + (" --quick" if args.quick else "") + \
+        ("" if args.domain == "standin" else f" --domain {args.domain}")
     path.with_suffix(".md").write_text(f"`{command}`: model {shape}, {args.device}, {args.dtype}, {sizes}\n\n"
                                        f"{table}\n")
     print(table)
@@ -437,6 +484,12 @@ def main(argv=None) -> None:
     p.add_argument("--agent-group", type=int, default=None, help="--agent: episodes per task, G (preset: 4/8)")
     p.add_argument("--policy-chars", type=int, default=None,
                    help="--agent: system prompt length in characters = tokens (preset: 0 (~500)/2048)")
+    p.add_argument("--domain", default="standin", choices=["standin", "airline", "retail", "telecom", "mock", "all"],
+                   help="--agent: the stand-in retail domain, or a real tau2-bench domain (trl-dta[tau2]): gold-action "
+                   "episodes, real system prompt and tools, DeepSeek BPE lengths")
+    p.add_argument("--stats-only", action="store_true",
+                   help="--agent --domain: only the workload numbers (prompt tokens, turns, compression per layout, "
+                   "gold reward), no training; writes benchmarks/results/tau2-agent-stats.*")
     args = p.parse_args(argv)
     if args.compression:
         rows = step_compression()

@@ -1,6 +1,12 @@
-"""Agentic multi-turn GRPO with Dynamic Tree Attention: a tau2-style retail customer-service domain on `DTAGRPOTrainer`.
+"""Agentic multi-turn GRPO with Dynamic Tree Attention on `DTAGRPOTrainer`: tau2-bench's real domains, or the stand-in.
 
-The policy plays episodes of the offline retail domain (`trl_dta.envs`): a shared system prompt (the policy document
+`--agent_domain airline|retail|telecom|mock` trains on the real tau2-bench domain (`trl_dta.envs.tau2`, the
+`trl-dta[tau2]` extra): tau2's system prompt and tool schemas through the policy's chat template, a fresh database per
+episode, tool results from tau2's tools, the offline scripted user (reason for the call, known facts, confirmations,
+tau2's `###STOP###`), and the reward from tau2's evaluator (`Tau2RolloutFunc`, `tau2_reward`).
+
+The default, `--agent_domain standin`, is the zero-dependency stand-in: the policy plays episodes of the offline
+retail look-alike (`trl_dta.envs`): a shared system prompt (the policy document
 and the tools), a ticket from a simulated user, then turns of `say <message>` / `call <tool> key=value ...` answered
 by the user simulator or the tools, until the user hangs up or the turn limit. Each episode is scored with tau2's
 success criterion plus a shaped partial credit (`trl_dta.envs.reward`). `AgentRolloutFunc` plays the episodes with
@@ -34,7 +40,19 @@ python recipes/agent.py --agent_branching 2 2                       # tree rollo
 accelerate launch --config_file recipes/configs/accelerate_multi_cpu.yaml recipes/agent.py \
     --config recipes/configs/agent.yaml --dta_sample_layout episode
 
-# A hub model plays the same text protocol (network; any causal LM whose eos ends a turn)
+# The real tau2-bench domains (pip install "trl-dta[tau2]"), offline: tau2's tasks, tools, database and evaluator,
+# the scripted user, the tiny model with a byte-level tokenizer carrying TRL's Qwen2.5 chat template. The mock
+# domain's prompt is ~3.5K byte tokens (CPU, a few minutes); airline/retail's ~19.5K (cut with --agent_policy_chars)
+python recipes/agent.py --agent_domain mock --agent_max_tokens 8192 --max_steps 5
+python recipes/agent.py --agent_domain airline --agent_policy_chars 1000 --agent_max_tokens 16384 --max_steps 2
+
+# tau2 airline on a GPU with a hub model and its own chat template (tool calls in the template's format)
+python recipes/agent.py --agent_domain airline --agent_task_split train --model_name_or_path Qwen/Qwen3-1.7B \
+    --output_dir outputs/agent-tau2-airline --agent_max_turns 16 --agent_max_tokens 16384 \
+    --max_completion_length 512 --per_device_train_batch_size 16 --num_generations 8 --learning_rate 1e-6 \
+    --bf16 true --dta_sample_layout per_turn
+
+# A hub model plays the stand-in's text protocol (network; any causal LM whose eos ends a turn)
 python recipes/agent.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --output_dir outputs/agent-qwen2.5-0.5b \
     --agent_policy_chars 8000 --agent_max_turns 8 --agent_max_tokens 4096 --max_completion_length 64 \
     --per_device_train_batch_size 16 --num_generations 8 --learning_rate 1e-6 --bf16 true \
@@ -64,9 +82,15 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "agent.yaml"
 @dataclass
 class AgentScriptArguments:
     """
-    Script arguments of the agent recipe: the retail domain, the episode limits and the embedded tiny model.
+    Script arguments of the agent recipe: the domain, the episode limits and the embedded tiny model.
 
     Args:
+        agent_domain (`str`, *optional*, defaults to `"standin"`):
+            `standin`: the offline retail stand-in (`trl_dta.envs`, no extra dependency, fast); `airline`, `retail`,
+            `telecom`, `mock`: the real tau2-bench domain (`trl-dta[tau2]`), its tasks, tools, database and grader,
+            played with the offline scripted user in the policy's chat template.
+        agent_task_split (`str`, *optional*):
+            A tau2 task split (`train`, `test`, `base`); defaults to all tasks of the domain.
         agent_num_tasks (`int`, *optional*, defaults to `512`):
             Training tasks (dataset rows), task ids `0 .. agent_num_tasks - 1` of the domain.
         agent_num_users (`int`, *optional*, defaults to `16`):
@@ -93,6 +117,14 @@ class AgentScriptArguments:
             Intra-op CPU threads of each process (`torch.set_num_threads`). Defaults to torch's choice.
     """
 
+    agent_domain: str = field(
+        default="standin",
+        metadata={"help": "standin (the offline retail stand-in) or a tau2-bench domain: airline, retail, telecom, "
+                  "mock (needs trl-dta[tau2])."},
+    )
+    agent_task_split: str | None = field(
+        default=None, metadata={"help": "A tau2 task split (train, test, base); defaults to all tasks."}
+    )
     agent_num_tasks: int = field(
         default=512, metadata={"help": "Training tasks (dataset rows), task ids 0 .. agent_num_tasks - 1."}
     )
@@ -149,7 +181,17 @@ def prepare_embedded_model(script_args: AgentScriptArguments, training_args: DTA
 
     model_dir = Path(training_args.output_dir) / "initial_model"
     with PartialState().local_main_process_first():
-        if PartialState().is_local_main_process:
+        if PartialState().is_local_main_process and script_args.agent_domain != "standin":
+            # tau2 domains speak a chat template: a byte-level tokenizer with TRL's Qwen2.5 template
+            from trl_dta.envs.chat import build_chat_tokenizer
+
+            tokenizer = build_chat_tokenizer("qwen2_5")
+            tiny.build_model(tokenizer, hidden_size=script_args.tiny_hidden_size,
+                             num_hidden_layers=script_args.tiny_num_hidden_layers,
+                             max_position_embeddings=script_args.agent_max_tokens,
+                             seed=training_args.seed).save_pretrained(model_dir)
+            tokenizer.save_pretrained(model_dir)
+        elif PartialState().is_local_main_process:
             tiny.build_default_model_dir(
                 model_dir,
                 hidden_size=script_args.tiny_hidden_size,
@@ -158,6 +200,30 @@ def prepare_embedded_model(script_args: AgentScriptArguments, training_args: DTA
                 seed=training_args.seed,
             )
     return str(model_dir)
+
+
+def build_agent_workload(script_args: AgentScriptArguments, seed: int):
+    """The dataset, `rollout_func` and reward function of `--agent_domain`."""
+    if script_args.agent_domain == "standin":
+        domain = RetailDomain(seed=seed, num_users=script_args.agent_num_users,
+                              policy_chars=script_args.agent_policy_chars)
+        rollout = AgentRolloutFunc(domain, max_turns=script_args.agent_max_turns,
+                                   max_tokens=script_args.agent_max_tokens, branching=script_args.agent_branching,
+                                   branch_turns=script_args.agent_branch_turns)
+        return build_dataset(domain, script_args.agent_num_tasks), rollout, episode_reward
+    from trl_dta.envs.tau2 import DOMAINS, Tau2Domain, Tau2RolloutFunc, build_tau2_dataset, tau2_reward
+
+    if script_args.agent_branching is not None:
+        raise ValueError("`--agent_branching` (tree rollouts) needs an environment that can be copied: the stand-in "
+                         "domain (`--agent_domain standin`) has one, the tau2 adapter does not yet.")
+    if script_args.agent_domain not in DOMAINS:
+        raise ValueError(f"`--agent_domain` must be standin or one of {DOMAINS}, got {script_args.agent_domain!r}.")
+    domain = Tau2Domain(script_args.agent_domain, task_split=script_args.agent_task_split,
+                        policy_chars=script_args.agent_policy_chars or None)
+    task_ids = domain.task_ids[:script_args.agent_num_tasks]
+    rollout = Tau2RolloutFunc(domain, seed=seed, max_turns=script_args.agent_max_turns,
+                              max_tokens=script_args.agent_max_tokens)
+    return build_tau2_dataset(domain, task_ids, seed=seed), rollout, tau2_reward
 
 
 def _mean(logs: list[dict], key: str) -> float | None:
@@ -207,10 +273,7 @@ def main(script_args: AgentScriptArguments, training_args: DTAGRPOConfig, model_
         torch.set_num_threads(script_args.torch_num_threads)
     if model_args.model_name_or_path is None:
         model_args.model_name_or_path = prepare_embedded_model(script_args, training_args)
-    domain = RetailDomain(seed=training_args.seed, num_users=script_args.agent_num_users,
-                          policy_chars=script_args.agent_policy_chars)
-    rollout = AgentRolloutFunc(domain, max_turns=script_args.agent_max_turns, max_tokens=script_args.agent_max_tokens,
-                               branching=script_args.agent_branching, branch_turns=script_args.agent_branch_turns)
+    dataset, rollout, reward = build_agent_workload(script_args, training_args.seed)
 
     model_init_kwargs = {
         "revision": model_args.model_revision,
@@ -224,9 +287,9 @@ def main(script_args: AgentScriptArguments, training_args: DTAGRPOConfig, model_
 
     trainer = DTAGRPOTrainer(
         model=model_args.model_name_or_path,
-        reward_funcs=episode_reward,
+        reward_funcs=reward,
         args=training_args,
-        train_dataset=build_dataset(domain, script_args.agent_num_tasks),
+        train_dataset=dataset,
         peft_config=get_peft_config(model_args),
         rollout_func=rollout,
     )

@@ -57,7 +57,9 @@ from pathlib import Path
 import numpy as np
 
 from ._checks import check_float, check_int
-from .rollout_io import LAYOUTS, AnalysisError, is_conversation_source, layout_rows, load_conversations, load_sequences
+from .rollout_io import (
+    LAYOUTS, AnalysisError, is_conversation_source, is_tau2_source, layout_rows, load_conversations, load_sequences,
+)
 
 
 __all__ = ["AnalysisError", "analyze", "format_table", "main"]
@@ -402,7 +404,10 @@ def _load(args) -> tuple[list, list | None, dict]:
     (`{None: None}` for sequences, which train as themselves)."""
     sequence_flags = (args.field, args.prompt_field, args.completion_field, args.text_field)
     if all(flag is None for flag in sequence_flags) and is_conversation_source(args.source, args.split):
-        conversations, groups = load_conversations(args.source, args.tokenizer, args.split, args.group_field)
+        group_field = args.group_field
+        if group_field is None and not args.no_groups and is_tau2_source(args.source):
+            group_field = "task_id"  # the trials of a tau2 task
+        conversations, groups = load_conversations(args.source, args.tokenizer, args.split, group_field)
         layouts = LAYOUTS if args.layout in (None, "both") else (args.layout,)
         rows = {layout: None if layout == "episode" else [layout_rows(ids, mask, layout) for ids, mask in conversations]
                 for layout in layouts}

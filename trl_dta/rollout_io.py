@@ -9,6 +9,9 @@ name. Its rows are either **sequences** (token ids, a prompt + completion pair o
 {"turns": [[ids], [ids], ...], "roles": ["system", "user", "assistant", ...]}       or "assistant_mask": [0, 0, 1, ...]
 ```
 
+A tau2-bench results file (the JSON object `tau2 run` writes) is read as conversations too, one per simulation, with
+tau2's system prompt and tool schemas, grouped by task (`trl_dta.envs.tau2.results`; needs `trl-dta[tau2]`).
+
 `messages` are rendered with the tokenizer's chat template. Message `k` covers the tokens between the renderings of
 `messages[:k]` and `messages[:k + 1]`, so every rendering of a shorter conversation must be a prefix of the whole one
 (a template that rewrites earlier turns, e.g. drops their reasoning, is refused: give `turns` instead). A conversation
@@ -33,7 +36,8 @@ from ._checks import check_choice
 from .batch import SAMPLE_LAYOUTS
 
 
-__all__ = ["LAYOUTS", "AnalysisError", "is_conversation_source", "layout_rows", "load_conversations", "load_sequences"]
+__all__ = ["LAYOUTS", "AnalysisError", "is_conversation_source", "is_tau2_source", "layout_rows", "load_conversations",
+           "load_sequences"]
 
 LAYOUTS = SAMPLE_LAYOUTS  # training layouts of a conversation
 ASSISTANT = "assistant"
@@ -85,6 +89,10 @@ def _dataset_rows(source: str, split: str | None) -> Iterator[tuple[dict, str]]:
 def _rows(source: str, split: str | None) -> Iterator[tuple[dict, str]]:
     """`(record, where)` for every row of `source`; `where` names the file and line (or the dataset row)."""
     path = Path(source)
+    if is_tau2_source(source):
+        from .envs.tau2.results import tau2_conversations
+
+        return iter(tau2_conversations(path))
     if path.is_file():
         return _jsonl_rows(path)
     if path.is_dir() or not path.suffix:
@@ -97,6 +105,13 @@ def _records(source: str, split: str | None) -> Iterator[tuple[dict, str]]:
         if not isinstance(row, dict):
             raise AnalysisError(f"{where}: expected a JSON object, got {type(row).__name__}")
         yield row, where
+
+
+def is_tau2_source(source: str) -> bool:
+    """Whether `source` is a tau2-bench results file (the JSON `tau2 run` writes; read with `trl-dta[tau2]`)."""
+    from .envs.tau2.results import is_tau2_results
+
+    return is_tau2_results(Path(source))
 
 
 def is_conversation_source(source: str, split: str | None = None) -> bool:
@@ -308,13 +323,15 @@ def _check_messages(messages, where: str) -> list[dict]:
     return messages
 
 
-def _message_turns(messages: list[dict], tokenizer, where: str) -> tuple[list[list[int]], list[bool]]:
-    """Render `messages` with the chat template; message `k` gets the tokens that `messages[:k + 1]` adds."""
+def _message_turns(messages: list[dict], tokenizer, where: str, tools: list | None = None
+                   ) -> tuple[list[list[int]], list[bool]]:
+    """Render `messages` (with the tool schemas `tools`, if any) with the chat template; message `k` gets the tokens
+    that `messages[:k + 1]` adds."""
     from jinja2 import TemplateError
 
     def render(prefix: list[dict]) -> list[int]:
         try:
-            text = tokenizer.apply_chat_template(prefix, tokenize=False)
+            text = tokenizer.apply_chat_template(prefix, tools=tools, tokenize=False)
         except TemplateError as e:
             raise AnalysisError(f"{where}: the chat template failed on messages[:{len(prefix)}]: {e}") from None
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -367,7 +384,7 @@ def load_conversations(
             if not getattr(tok, "chat_template", None):
                 raise AnalysisError(f"{where}: tokenizer {tokenizer!r} has no chat template to render 'messages'; use "
                                     "a chat model's tokenizer, or give token ids per turn ('turns' with 'roles')")
-            turns, assistant = _message_turns(_check_messages(row["messages"], where), tok, where)
+            turns, assistant = _message_turns(_check_messages(row["messages"], where), tok, where, row.get("tools"))
         elif "turns" in row:
             turns, assistant = _id_turns(row, where)
         else:

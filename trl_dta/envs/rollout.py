@@ -15,7 +15,9 @@ training sequence per episode, environment tokens masked: TRL's `env_mask`) and 
 turn, `ids[:e_k]`, completion = the turn) come from the same record; the per-turn sequences of an episode are nested
 prefixes of each other, and all episodes of a domain share the system prompt.
 
-Episodes run in lockstep: each round asks the generator for one turn of every unfinished episode in one batch. The
+The loop is domain-free ([`run_sessions`] over [`Session`]s: prompt ids, `step(turn ids) -> reply ids`); the
+stand-in retail domain's text protocol is one kind of session ([`play_episodes`]), tau2-bench's chat-template
+episodes another (`trl_dta.envs.tau2.episode`). Episodes run in lockstep: each round asks the generator for one turn of every unfinished episode in one batch. The
 last token of an episode is always a policy token: the reply that ends an episode (the user's `(stop)`, or the answer
 to the last allowed turn) stays in `messages` but is not tokenized, as nothing would be generated after it.
 
@@ -47,7 +49,7 @@ from .._checks import check_int
 from ..batch import SAMPLE_LAYOUTS
 from .env import RetailDomain, RetailEnv
 from .protocol import render_reply
-from .reward import RewardBreakdown
+from .reward import RewardBreakdown  # noqa: F401 (documented type of Episode.reward)
 
 
 class Generation(NamedTuple):
@@ -115,7 +117,7 @@ class Episode:
     """A finished episode.
 
     Args:
-        task_id (`int`): its task.
+        task_id (`int` or `str`): its task.
         ids (`list[int]`): the whole conversation, prompt included, `(n_tokens,)`.
         env_mask (`list[int]`): `(n_tokens,)`, 1 for tokens the policy generated, 0 for prompt and environment tokens
             (TRL's `env_mask`/`tool_mask` convention).
@@ -125,10 +127,11 @@ class Episode:
         turns (`list[Turn]`): the agent turns, in order.
         messages (`list[tuple[str, str]]`): the conversation after the prompt as text, `(role, text)`.
         end_reason (`str`): `"user_stop"`, `"max_turns"` or `"max_tokens"`.
-        reward (`RewardBreakdown`): the episode's reward and its parts.
+        reward: the episode's grade: a [`RewardBreakdown`] for the stand-in retail domain, tau2's `RewardInfo` for
+            the tau2 domains (both have `.reward`).
     """
 
-    task_id: int
+    task_id: int | str
     ids: list[int]
     env_mask: list[int]
     logprobs: list[float] | None
@@ -136,7 +139,7 @@ class Episode:
     turns: list[Turn] = field(default_factory=list)
     messages: list[tuple[str, str]] = field(default_factory=list)
     end_reason: str = ""
-    reward: RewardBreakdown | None = None
+    reward: object = None
 
 
 def _append(episode: Episode, ids: Sequence[int], from_policy: bool, logprobs: Sequence[float] | None) -> None:
@@ -144,6 +147,125 @@ def _append(episode: Episode, ids: Sequence[int], from_policy: bool, logprobs: S
     episode.env_mask.extend([int(from_policy)] * len(ids))
     if episode.logprobs is not None:
         episode.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+
+
+class Session(Protocol):
+    """One episode as the rollout drives it: token ids in, token ids out (see [`run_sessions`]).
+
+    Attributes:
+        prompt_ids (`list[int]`): the episode's prompt.
+        done (`bool`): whether the episode has ended (after `step` or `stop`).
+    """
+
+    prompt_ids: list[int]
+    done: bool
+
+    def step(self, turn_ids: list[int]) -> list[int]:
+        """Plays one policy turn; returns the environment's answer as token ids, ending with the next turn's header
+        (ignored once `done`)."""
+
+    def stop(self, reason: str) -> None:
+        """Ends the episode for a reason of the rollout's (`"max_tokens"`)."""
+
+
+def run_sessions(
+    sessions: Sequence[Session],
+    task_ids: Sequence,
+    generate: GenerateFn,
+    *,
+    max_turn_tokens: int = 64,
+    max_tokens: int = 1024,
+    branching: Sequence[int] | None = None,
+    branch_turns: int = 1,
+) -> tuple[list[Episode], list[Session]]:
+    """Plays `sessions` in lockstep with the policy behind `generate`: the rollout loop shared by every domain.
+
+    Args:
+        sessions (`Sequence[Session]`): fresh episodes, one per rollout.
+        task_ids (`Sequence`): the task of each session (kept in `Episode.task_id`).
+        generate (`GenerateFn`): see [`play_episodes`].
+        max_turn_tokens (`int`, *optional*, defaults to `64`): tokens per policy turn.
+        max_tokens (`int`, *optional*, defaults to `1024`): tokens per episode, prompt included.
+        branching (`Sequence[int]`, *optional*): tree rollouts: children per level; `sessions` then hold
+            `branching[0]` sessions per tree (the first level), which must have `copy()` (see [`CopyableEnv`]).
+        branch_turns (`int`, *optional*, defaults to `1`): policy turns per level before each branch point.
+
+    Returns:
+        `(episodes, sessions)`: the episodes, without `messages`, `end_reason` and `reward` (the domain's to fill),
+        and the session each was played in (with `branching`, the grown list: `prod(branching[1:])` per input
+        session, an episode that ended before a branch point repeated for every row below it).
+    """
+    max_turn_tokens = check_int("max_turn_tokens", max_turn_tokens, minimum=1)
+    max_tokens = check_int("max_tokens", max_tokens, minimum=2)
+    branching, branch_turns = check_branching(branching, branch_turns)
+    episodes = []
+    for session, task_id in zip(sessions, task_ids, strict=True):
+        prompt_ids = list(session.prompt_ids)
+        if len(prompt_ids) >= max_tokens:
+            raise ValueError(
+                f"the prompt of task {task_id} has {len(prompt_ids)} tokens, which leaves no room for a turn within "
+                f"`max_tokens={max_tokens}`; raise `max_tokens` or shorten the system prompt."
+            )
+        episodes.append(Episode(task_id, prompt_ids, [0] * len(prompt_ids), [0.0] * len(prompt_ids),
+                                len(prompt_ids)))
+    sessions = list(sessions)
+    levels = [0] * len(sessions)  # branch points each episode has passed
+    while True:
+        if branching is not None:
+            episodes, sessions, levels = _branch(episodes, sessions, levels, branching, branch_turns)
+        active = [i for i, session in enumerate(sessions) if not session.done]
+        if not active:
+            break
+        budgets = [min(max_turn_tokens, max_tokens - len(episodes[i].ids)) for i in active]
+        outputs = generate([list(episodes[i].ids) for i in active], budgets)
+        if len(outputs) != len(active):
+            raise ValueError(f"`generate` returned {len(outputs)} generations for {len(active)} prefixes.")
+        for i, output, budget in zip(active, outputs, budgets):
+            episode, session = episodes[i], sessions[i]
+            if not 1 <= len(output.ids) <= budget:
+                raise ValueError(f"`generate` returned {len(output.ids)} tokens for a turn limited to {budget}; it "
+                                 "must return between 1 and max_new_tokens tokens per prefix.")
+            if output.logprobs is None:
+                episode.logprobs = None
+            elif len(output.logprobs) != len(output.ids):
+                raise ValueError("`generate` returned log-probs and token ids of different lengths.")
+            start = len(episode.ids)
+            _append(episode, output.ids, True, output.logprobs)
+            episode.turns.append(Turn(start, len(episode.ids)))
+            reply = session.step(list(output.ids))
+            if session.done:
+                continue
+            if len(episode.ids) + len(reply) >= max_tokens:
+                session.stop("max_tokens")
+                continue
+            _append(episode, reply, False, None)
+    if branching is not None:  # episodes that ended before a branch point stand for all the rows below them
+        copies = [math.prod(branching[level + 1:]) for level in levels]
+        episodes = [copy.deepcopy(e) for e, n in zip(episodes, copies) for _ in range(n)]
+        sessions = [s for s, n in zip(sessions, copies) for _ in range(n)]
+    return episodes, sessions
+
+
+class _TextSession:
+    """A retail episode ([`RetailEnv`]) in the plain-text protocol, as a [`Session`]."""
+
+    def __init__(self, env: RetailEnv, prompt_ids: list[int], tokenizer):
+        self.env, self.prompt_ids, self.tokenizer = env, prompt_ids, tokenizer
+
+    @property
+    def done(self) -> bool:
+        return self.env.done
+
+    def step(self, turn_ids: list[int]) -> list[int]:
+        role, text = self.env.step(self.tokenizer.decode(turn_ids, skip_special_tokens=True))
+        return [] if self.env.done else self.tokenizer(render_reply(role, text), add_special_tokens=False)["input_ids"]
+
+    def stop(self, reason: str) -> None:
+        self.env.stop(reason)
+
+    def copy(self) -> _TextSession:
+        """The same episode from here on, in an independent environment (tree rollouts)."""
+        return _TextSession(self.env.copy(), self.prompt_ids, self.tokenizer)
 
 
 def play_episodes(
@@ -159,8 +281,8 @@ def play_episodes(
     branching: Sequence[int] | None = None,
     branch_turns: int = 1,
 ) -> list[Episode]:
-    """Plays `num_generations` episodes of every task with the policy behind `generate` (or, with `branching`, a tree
-    of `prod(branching)` episodes per task, see the module docstring).
+    """Plays `num_generations` episodes of every task of the stand-in retail domain with the policy behind `generate`
+    (or, with `branching`, a tree of `prod(branching)` episodes per task, see the module docstring).
 
     Args:
         domain ([`~envs.env.RetailDomain`]): the domain.
@@ -186,77 +308,36 @@ def play_episodes(
     if branching is not None and num_generations != 1:
         raise ValueError(f"with `branching` each task yields prod(branching) episodes: set `num_generations=1` "
                          f"(got {num_generations}).")
-    tree = branching or [num_generations]
-    max_turn_tokens = check_int("max_turn_tokens", max_turn_tokens, minimum=1)
-    max_tokens = check_int("max_tokens", max_tokens, minimum=2)
-    episodes: list[Episode] = []
-    envs: list[RetailEnv] = []
+    sessions, ids = [], []
     for task_id in task_ids:
         prompt_ids = tokenizer(domain.prompt(task_id))["input_ids"]
-        if len(prompt_ids) >= max_tokens:
-            raise ValueError(
-                f"the prompt of task {task_id} has {len(prompt_ids)} tokens, which leaves no room for a turn within "
-                f"`max_tokens={max_tokens}`; raise `max_tokens` or shorten the policy (`policy_chars`)."
-            )
-        for _ in range(tree[0]):
-            episodes.append(Episode(domain.task(task_id).task_id, list(prompt_ids), [0] * len(prompt_ids),
-                                    [0.0] * len(prompt_ids), len(prompt_ids)))
-            envs.append(domain.episode(task_id, max_turns=max_turns))
+        for _ in range((branching or [num_generations])[0]):
+            env = domain.episode(task_id, max_turns=max_turns)
             if branching is not None:
-                check_copyable(envs[-1])
-    levels = [0] * len(envs)  # branch points each episode has passed
-    while True:
-        if branching is not None:
-            episodes, envs, levels = _branch(episodes, envs, levels, branching, branch_turns)
-        active = [i for i, env in enumerate(envs) if not env.done]
-        if not active:
-            break
-        budgets = [min(max_turn_tokens, max_tokens - len(episodes[i].ids)) for i in active]
-        outputs = generate([list(episodes[i].ids) for i in active], budgets)
-        if len(outputs) != len(active):
-            raise ValueError(f"`generate` returned {len(outputs)} generations for {len(active)} prefixes.")
-        for i, output, budget in zip(active, outputs, budgets):
-            episode, env = episodes[i], envs[i]
-            if not 1 <= len(output.ids) <= budget:
-                raise ValueError(f"`generate` returned {len(output.ids)} tokens for a turn limited to {budget}; it "
-                                 "must return between 1 and max_new_tokens tokens per prefix.")
-            if output.logprobs is None:
-                episode.logprobs = None
-            elif len(output.logprobs) != len(output.ids):
-                raise ValueError("`generate` returned log-probs and token ids of different lengths.")
-            start = len(episode.ids)
-            _append(episode, output.ids, True, output.logprobs)
-            episode.turns.append(Turn(start, len(episode.ids)))
-            role, text = env.step(tokenizer.decode(output.ids, skip_special_tokens=True))
-            if env.done:
-                continue
-            reply = tokenizer(render_reply(role, text), add_special_tokens=False)["input_ids"]
-            if len(episode.ids) + len(reply) >= max_tokens:
-                env.stop("max_tokens")
-                continue
-            _append(episode, reply, False, None)
-    if branching is not None:  # episodes that ended before a branch point stand for all the rows below them
-        copies = [math.prod(branching[level + 1:]) for level in levels]
-        episodes = [copy.deepcopy(e) for e, n in zip(episodes, copies) for _ in range(n)]
-        envs = [env for env, n in zip(envs, copies) for _ in range(n)]
-    for episode, env in zip(episodes, envs):
+                check_copyable(env)
+            sessions.append(_TextSession(env, prompt_ids, tokenizer))
+            ids.append(domain.task(task_id).task_id)
+    episodes, sessions = run_sessions(sessions, ids, generate, max_turn_tokens=max_turn_tokens, max_tokens=max_tokens,
+                                      branching=branching, branch_turns=branch_turns)
+    for episode, session in zip(episodes, sessions):
+        env = session.env
         episode.messages, episode.end_reason, episode.reward = list(env.messages), env.end_reason, env.reward()
     return episodes
 
 
-def _branch(episodes: list[Episode], envs: list, levels: list[int], branching: list[int], branch_turns: int):
+def _branch(episodes: list[Episode], sessions: list, levels: list[int], branching: list[int], branch_turns: int):
     """Copy every unfinished episode that reached its next branch point (`branch_turns` agent turns per level) into
     the next level's number of children, in place in the depth-first order."""
-    out_episodes, out_envs, out_levels = [], [], []
-    for episode, env, level in zip(episodes, envs, levels):
-        if env.done or level + 1 >= len(branching) or len(episode.turns) < branch_turns * (level + 1):
-            out_episodes.append(episode), out_envs.append(env), out_levels.append(level)
+    out_episodes, out_sessions, out_levels = [], [], []
+    for episode, session, level in zip(episodes, sessions, levels):
+        if session.done or level + 1 >= len(branching) or len(episode.turns) < branch_turns * (level + 1):
+            out_episodes.append(episode), out_sessions.append(session), out_levels.append(level)
             continue
         for child in range(branching[level + 1]):
             out_episodes.append(episode if child == 0 else copy.deepcopy(episode))
-            out_envs.append(env if child == 0 else env.copy())
+            out_sessions.append(session if child == 0 else session.copy())
             out_levels.append(level + 1)
-    return out_episodes, out_envs, out_levels
+    return out_episodes, out_sessions, out_levels
 
 
 LAYOUTS = SAMPLE_LAYOUTS

@@ -1,0 +1,165 @@
+"""One tau2 episode in the policy's chat template, token in, token out, and the multi-turn rollout over a domain.
+
+[`Tau2Session`] is a [`~envs.rollout.Session`]: the shared rollout loop (`envs.rollout.run_sessions`) hands it each
+generated turn as token ids and appends what it answers. A turn is read with the template's response parser
+([`~envs.chat.ChatRenderer.parse`]):
+
+```
+turn with tool calls  -> each call runs on the episode's database (tau2's Environment.get_response)
+                         -> tool results, rendered as the template's tool messages            (masked)
+turn with text only   -> the user answers (ScriptedUser offline, or tau2's LLM user)           (masked)
+                         -> a reply with ###STOP### ends the episode ("user_stop")
+malformed <tool_call> -> a tool message "Error: ..." and the episode goes on
+```
+
+tau2's own error texts answer an unknown tool or bad arguments ("Error: Tool 'x' not found."), as tau2's orchestrator
+answers them. The episode keeps its tau2 trajectory (assistant messages with tool calls, tool messages, user
+messages) and is graded by tau2's evaluator ([`~envs.tau2.domain.Tau2Domain.evaluate`]) when it ends: `"user_stop"`
+is graded; `"max_turns"` and `"max_tokens"` are tau2's `max_steps`, which scores 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..._checks import check_int
+from ..chat import ChatRenderer
+from ..rollout import Episode, GenerateFn, run_sessions
+from ._seam import tau2_modules
+from .domain import Tau2Domain, call_tool, chat_tool_message, tau2_assistant_message
+from .user import ScriptedUser
+
+END_REASONS = ("user_stop", "max_turns", "max_tokens")
+_TAU2_END = {"user_stop": "user_stop", "max_turns": "max_steps", "max_tokens": "max_steps"}
+_TOOL_CALL_OPEN = "<tool_call>"
+
+
+class Tau2Session:
+    """One episode of a tau2 task (see the module docstring).
+
+    Args:
+        domain ([`Tau2Domain`]): the domain.
+        task_id (`str`): the task.
+        renderer ([`~envs.chat.ChatRenderer`]): the policy's chat template with the domain's tools.
+        user: a user with `opening` and `reply(text) -> (text, stop)`; defaults to [`ScriptedUser`]`(task, seed)`.
+        seed (`int`, *optional*, defaults to `0`): the scripted user's seed.
+        max_turns (`int`, *optional*, defaults to `16`): policy turns after which the episode ends.
+    """
+
+    def __init__(self, domain: Tau2Domain, task_id: str, renderer: ChatRenderer, user=None, seed: int = 0,
+                 max_turns: int = 16):
+        self.domain, self.renderer = domain, renderer
+        self.task = domain.task(task_id)
+        self.user = user if user is not None else ScriptedUser(self.task, seed)
+        self.max_turns = check_int("max_turns", max_turns, minimum=1)
+        self.env = domain.new_environment(self.task)
+        m = tau2_modules().message
+        self._m = m
+        self.trajectory = domain.initial_messages(self.task) + [m.UserMessage(role="user", content=self.user.opening)]
+        self.chat = [{"role": "system", "content": domain.system_prompt},
+                     {"role": "user", "content": self.user.opening}]
+        self.prompt_ids = renderer.prompt_ids(self.chat)
+        self._header = self._after_last_eos(self.prompt_ids)  # the next turn's header: the response parser's prefix
+        self.done, self.end_reason, self.turns = False, None, 0
+        self._calls = 0
+
+    def step(self, turn_ids: list[int]) -> list[int]:
+        if self.done:
+            raise ValueError(f"the episode has ended ({self.end_reason}).")
+        self.turns += 1
+        message = self.renderer.parse(turn_ids, prefix=self._header)
+        self.chat.append(message)
+        if message.get("tool_calls"):
+            answers = self._run_calls(message)
+        elif _TOOL_CALL_OPEN in message["content"]:
+            answers = [{"role": "tool", "name": "error", "content": "Error: the tool call could not be parsed; write "
+                        "one JSON object with 'name' and 'arguments' inside <tool_call></tool_call>."}]
+        else:
+            self.trajectory.append(tau2_assistant_message(message))
+            text, stop = self.user.reply(message["content"])
+            self.trajectory.append(self._m.UserMessage(role="user", content=text))
+            answers = [{"role": "user", "content": text}]
+            if stop:
+                self.stop("user_stop")
+        self.chat.extend(answers)
+        if not self.done and self.turns >= self.max_turns:
+            self.stop("max_turns")
+        if self.done:
+            return []
+        reply = self.renderer.suffix_ids(answers)
+        self._header = self._after_last_eos(reply)
+        return reply
+
+    def _after_last_eos(self, ids: list[int]) -> list[int]:
+        eos = self.renderer.tokenizer.eos_token_id
+        last = max((i for i, token in enumerate(ids) if token == eos), default=-1)
+        return list(ids[last + 1:])
+
+    def _run_calls(self, message: dict) -> list[dict]:
+        calls, results, answers = [], [], []
+        for call in message["tool_calls"]:
+            function = call.get("function", call)
+            self._calls += 1
+            tool_call, result = call_tool(self.env, function.get("name", ""), function.get("arguments", {}),
+                                          f"call_{self._calls}")
+            calls.append(tool_call)
+            results.append(result)
+            answers.append(chat_tool_message(tool_call.name, result))
+        self.trajectory.append(tau2_assistant_message(message, calls))
+        self.trajectory.extend(results)
+        return answers
+
+    def stop(self, reason: str) -> None:
+        if reason not in END_REASONS:
+            raise ValueError(f"`reason` must be one of {END_REASONS}, got {reason!r}.")
+        self.done, self.end_reason = True, reason
+
+    def reward(self):
+        """tau2's `RewardInfo` for the episode so far (final once `done`)."""
+        return self.domain.evaluate(self.task, self.trajectory, _TAU2_END.get(self.end_reason, "max_steps"))
+
+
+def play_tau2_episodes(
+    domain: Tau2Domain,
+    task_ids: Sequence[str],
+    generate: GenerateFn,
+    renderer: ChatRenderer,
+    *,
+    num_generations: int = 1,
+    seed: int = 0,
+    user_factory=None,
+    max_turns: int = 16,
+    max_turn_tokens: int = 256,
+    max_tokens: int = 32768,
+) -> list[Episode]:
+    """Plays `num_generations` episodes of every task with the policy behind `generate`.
+
+    Args:
+        domain ([`Tau2Domain`]): the domain.
+        task_ids (`Sequence[str]`): tau2 task ids; repeats allowed (TRL passes each prompt `num_generations` times).
+        generate (`GenerateFn`): one turn per prefix (`envs.rollout.model_generate_fn` with the template's eos).
+        renderer ([`~envs.chat.ChatRenderer`]): the policy's chat template with `domain.tool_schemas`.
+        num_generations (`int`, *optional*, defaults to `1`): episodes per task.
+        seed (`int`, *optional*, defaults to `0`): the scripted users' seed.
+        user_factory (*optional*): `user_factory(task) -> user` (e.g. an [`~envs.tau2.user.LLMUser`]); defaults to
+            [`ScriptedUser`]`(task, seed)`.
+        max_turns (`int`, *optional*, defaults to `16`), max_turn_tokens (`int`, *optional*, defaults to `256`),
+        max_tokens (`int`, *optional*, defaults to `32768`): the episode's limits.
+
+    Returns:
+        `list[Episode]`: with `messages` (the chat messages after the prompt), `end_reason` and `reward` (tau2's
+        `RewardInfo`).
+    """
+    num_generations = check_int("num_generations", num_generations, minimum=1)
+    sessions, ids = [], []
+    for task_id in task_ids:
+        for _ in range(num_generations):
+            task = domain.task(task_id)
+            user = user_factory(task) if user_factory is not None else None
+            sessions.append(Tau2Session(domain, task_id, renderer, user=user, seed=seed, max_turns=max_turns))
+            ids.append(task_id)
+    episodes, sessions = run_sessions(sessions, ids, generate, max_turn_tokens=max_turn_tokens,
+                                      max_tokens=max_tokens)
+    for episode, session in zip(episodes, sessions):
+        episode.messages, episode.end_reason, episode.reward = session.chat[2:], session.end_reason, session.reward()
+    return episodes
