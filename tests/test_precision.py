@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 
 from conftest import FAMILIES, make_model, shared_batch
 from reference import compare_grads, compare_lists, dense_forward_backward, dense_logps, grads_of
@@ -173,6 +174,9 @@ def test_attention_inputs_follow_sdpa_autocast(backend, path_len):
 
 def _prepared(model):
     """`model` prepared by accelerate with bf16 mixed precision on CPU: its forward wrapped in bf16 autocast."""
+    # A trainer of an earlier test leaves accelerate's state set up with its own precision, which a new Accelerator
+    # may not change: start from a fresh state, as a new process would.
+    AcceleratorState._reset_state(reset_partial_state=True)
     accelerator = Accelerator(cpu=True, mixed_precision="bf16")
     model = accelerator.prepare(model)
     return accelerator, model
