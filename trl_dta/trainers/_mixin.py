@@ -56,8 +56,14 @@ from ..engine import DTAEngine
 from ..lm_head import HeadSpec
 from ..tree import PrefixTree
 from .config import _OFF, DTAArguments, check_trainer_args, check_trl_version
-from .layouts import expand_per_turn, per_turn_micro_batches
-from .micro_batches import balance_ranks, regrouping_changes, split_by_groups
+from .micro_batches import (
+    balance_ranks,
+    per_turn_buffer,
+    per_turn_changes,
+    per_turn_eval_rows,
+    regrouping_changes,
+    split_by_groups,
+)
 from .step_forest import StepForest, buffered_window
 
 
@@ -199,7 +205,8 @@ class DTATrainerMixin:
         """Whether `dta_balance` applies: several processes, and exchanging rows leaves the updates TRL's."""
         if not (self._dta.dta_balance and self.accelerator.num_processes > 1):
             return False
-        reason = regrouping_changes(self, across_ranks=True)
+        per_turn = self._dta.dta_sample_layout == "per_turn"
+        reason = per_turn_changes(self) if per_turn else regrouping_changes(self, across_ranks=True)
         if reason:
             _checks.warn_once(
                 "balance_exact",
@@ -233,26 +240,19 @@ class DTATrainerMixin:
         return self._buffered_inputs[self._step % spg]
 
     def _dta_prepare_per_turn(self, generation_batch):
-        """TRL's `_prepare_inputs` with one row per assistant turn, DTA on or off (`layouts.py`): each generation's
-        episodes become turn rows, shuffled by TRL's draw and cut into `steps_per_generation` micro-batches that keep
-        every row; in evaluation, the generation's turn rows. Ranks keep their own episodes (no `dta_balance`)."""
-        pad_token_id, multiple = self._tokenizer.pad_token_id, self.pad_to_multiple_of
+        """TRL's `_prepare_inputs` with one row per assistant turn, DTA on or off (`micro_batches.per_turn_buffer`):
+        each generation's episodes become turn rows (exchanged between ranks with `dta_balance`), shuffled by TRL's
+        draw, cut into `steps_per_generation` micro-batches that keep every row and padded to equal counts across
+        ranks; in evaluation, the generation's turn rows, padded likewise."""
         if not self.model.training:
-            return expand_per_turn(self._generate_and_score_completions(generation_batch), pad_token_id, multiple)
+            return per_turn_eval_rows(self, self._generate_and_score_completions(generation_batch))
         spg = self.args.steps_per_generation
         if self._step % (spg * self.num_iterations) == 0 or self._buffered_inputs is None:
             batch = self._generate_and_score_completions(generation_batch)
-            self._buffered_inputs = per_turn_micro_batches(batch, spg, pad_token_id, multiple)
-            if self.accelerator.num_processes > 1:
-                from accelerate.utils import gather_object
-
-                rows = gather_object([[len(b["prompt_ids"]) for b in self._buffered_inputs]])
-                if any(counts != rows[0] for counts in rows):
-                    raise ValueError(
-                        f"dta_sample_layout='per_turn': the processes hold different numbers of turn rows per "
-                        f"micro-batch ({rows}), and TRL's `_compute_loss` gathers per-row metrics across processes, "
-                        "which needs equal counts. Use one process, or `dta_sample_layout='episode'`."
-                    )
+            balance = self._dta.dta_enabled and self._dta_balances()
+            if balance and self._dta.dta_cost_model == "fit":
+                self._dta_refit_cost_model()
+            self._buffered_inputs = per_turn_buffer(self, batch, balance, self._dta_cost_model if balance else None)
         return self._buffered_inputs[self._step % spg]
 
     def _dta_refit_cost_model(self) -> None:

@@ -160,8 +160,13 @@ class DTAArguments:
             "the same per-turn micro-batches. 'per_turn' keeps every turn (micro-batches of near-equal size instead of "
             "TRL's equal split), and turns instead of episodes are what `grpo`, `sapo`, `luspo`, `bnpo` and `dr_grpo` "
             "average over (`dapo` and `cispo` weigh every policy token as 'episode' does); see "
-            "`trl_dta.trainers.layouts`. With 'per_turn', `dta_group_shuffle` is unavailable and `dta_balance` does "
-            "not apply (each rank keeps its episodes)."
+            "`trl_dta.trainers.layouts`. Any number of processes: ranks hold different numbers of turn rows, and each "
+            "micro-batch is padded to the largest rank's count with rows that carry no loss; with `dapo`, `cispo` and "
+            "`vespo` (global token normaliser) and `gradient_accumulation_steps` a multiple of `steps_per_generation` "
+            "the objective is the one-process per-turn objective, elsewhere a warning says why not once "
+            "(`trl_dta.trainers.micro_batches.per_turn_changes`). With 'per_turn', `dta_group_shuffle` is unavailable, "
+            "and `dta_balance` exchanges whole prompt groups (all turns of a task's episodes) between ranks, by the "
+            "cost of the per-turn forests, where the objective does not depend on the rows' ranks."
         },
     )
 

@@ -13,18 +13,39 @@ step's forest, see `step_forest.py`). Two regroupings move rows, and are applied
 Moving rows changes nothing in an update only if every optimizer step still sees the same rows, and the loss of a
 micro-batch is a sum over its rows with constants independent of which other rows share it. [`regrouping_changes`]
 names the settings that break this.
+
+Per-turn rows (`dta_sample_layout="per_turn"`, [`per_turn_buffer`]): each rank expands its episodes into turn rows
+(`layouts.py`), so ranks hold different numbers of rows; micro-batch `k` of every rank is padded to the largest rank's
+count with rows that carry no loss. With `dta_balance`, whole prompt groups of turn rows (a task's `num_generations`
+episodes, all their turns) move between ranks first, chosen on the exact cost of each rank's per-turn forest. Which
+rank holds which row changes nothing in the objective when its normaliser is global (`num_items_in_batch`: `dapo`,
+`cispo`, `vespo`) and every optimizer step spans whole generations; [`per_turn_changes`] names what breaks this (then
+padding changes the objective whenever the counts differ, and `dta_balance` leaves the rows where they are):
+
+```
+rank 0 turn rows: 7 -> micro-batches of 4, 3          padded to 4, 3    (rank 1's counts are larger or equal)
+rank 1 turn rows: 5 -> micro-batches of 3, 2          padded to 4, 3    ("+": a row without loss tokens)
+                                                      rank 0: [r r r r] [r r r]    rank 1: [r r r +] [r r +]
+```
 """
 
 from __future__ import annotations
 
 import torch
 from accelerate.utils import gather_object
-from trl.trainer.utils import split_tensor_dict
+from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
 from .._checks import warn_once
 from ..balance import CostModel, forest_stats, partition
-from ..batch import Layout, group_ids, has_vision_inputs, num_rows, take_rows
+from ..batch import Layout, group_ids, has_vision_inputs, num_rows, sequences, take_rows
 from ..distributed import redistribute
+from .layouts import episode_of_rows, expand_per_turn, pad_rows, split_rows, split_sizes
+
+# Loss types whose normaliser counts the rows of a rank's micro-batch (padding rows included), and the one that
+# counts its loss tokens (padding rows add none, but the count is the rank's own).
+_ROW_NORMALISED = {"grpo": "averages the rows of each micro-batch", "sapo": "averages the rows of each micro-batch",
+                   "luspo": "averages the rows of each micro-batch",
+                   "dr_grpo": "divides by the rows of each micro-batch times max_completion_length"}
 
 
 def regrouping_changes(trainer, across_ranks: bool) -> str | None:
@@ -117,3 +138,127 @@ def balance_ranks(trainer, batch: dict, cost_model: CostModel) -> tuple[dict, to
     metrics["dta/compression_ratio_after_balance"].append(result.compression_after)
     metrics["dta/rank_cost_imbalance"].append(result.imbalance)
     return local, local_groups
+
+
+def per_turn_changes(trainer) -> str | None:
+    """Why the per-turn objective on several processes depends on which rank holds which turn rows, or None if it does
+    not (then it is the one-process per-turn objective, and `dta_balance` may move rows).
+
+    Args:
+        trainer (`GRPOTrainer`): the trainer (its `args`, `loss_type` and entropy controls).
+    """
+    args = trainer.args
+    spg, accumulation = args.steps_per_generation, args.gradient_accumulation_steps
+    reasons = []
+    if accumulation % spg:
+        reasons.append(
+            f"one generation feeds several optimizer steps (gradient_accumulation_steps={accumulation} is not a "
+            f"multiple of steps_per_generation={spg}), so each step trains on the rows its micro-batches happen to hold"
+        )
+    loss_type = getattr(trainer, "loss_type", None)
+    if loss_type in _ROW_NORMALISED:
+        reasons.append(f"loss_type='{loss_type}' {_ROW_NORMALISED[loss_type]}, and a rank's micro-batch is padded to "
+                       "the largest rank's row count")
+    if loss_type == "bnpo":
+        reasons.append("loss_type='bnpo' divides by the loss tokens of each rank's own micro-batch")
+    if getattr(trainer, "_entropy_bonus_enabled", False):
+        reasons.append("the entropy bonus divides by the loss tokens of each rank's own micro-batch")
+    if getattr(trainer, "top_entropy_quantile", 1.0) < 1.0 and spg > 1:
+        reasons.append("top_entropy_quantile < 1 thresholds entropies over each micro-batch of all ranks")
+    return "; ".join(reasons) or None
+
+
+def balance_turn_rows(trainer, episodes: dict, rows: dict, cost_model: CostModel) -> dict:
+    """Exchange whole prompt groups of turn rows between ranks so that each rank's per-turn forest costs the same.
+
+    A group is a task's `num_generations` episodes with all their turns: their system prompt and shared turns stay in
+    one rank's forest. The partition is [`~trl_dta.balance.partition`] over the global forest of turn rows, groups kept
+    whole, any number of rows per rank (the micro-batches are padded afterwards).
+
+    Args:
+        trainer (`GRPOTrainer`): the trainer (accelerator, `num_generations`, metrics).
+        episodes (`dict`): this rank's generation batch of episodes (`n` rows), as TRL's
+            `_generate_and_score_completions` returns it.
+        rows (`dict`): its turn rows ([`~trl_dta.trainers.layouts.expand_per_turn`] of `episodes`).
+        cost_model ([`~trl_dta.balance.CostModel`]): cost of a forest.
+
+    Returns:
+        `dict`: this rank's turn rows after the exchange (unchanged, with a one-time warning, when the episodes do not
+        hold whole groups).
+    """
+    accelerator, size = trainer.accelerator, trainer.num_generations
+    n = num_rows(episodes)
+    if n % size:
+        warn_once(
+            "balance_groups_per_turn",
+            f"dta_balance: each process holds {n} episodes of a generation batch, not a multiple of num_generations="
+            f"{size}, so prompt groups straddle processes and cannot be exchanged whole; ranks keep their turn rows. "
+            "Make `per_device_train_batch_size * steps_per_generation` a multiple of `num_generations`.",
+        )
+        return rows
+    groups = group_ids(accelerator.process_index, n, size)[episode_of_rows(episodes)]  # (R,)
+    seqs = sequences(rows)
+    before = gather_object([(forest_stats(seqs), cost_model.forest_cost(seqs) if seqs else 0.0)])
+    pad = trainer._tokenizer.pad_token_id or 0
+    local, _, result = redistribute(accelerator, rows, groups, pad_token_id=pad, cost_model=cost_model,
+                                    equal_count=False)
+    costs = [cost for _, cost in before]
+    metrics = trainer._metrics["train"]
+    metrics["dta/compression_ratio_before_balance"].append(
+        sum(s.tokens for s, _ in before) / max(sum(s.tree_tokens for s, _ in before), 1)
+    )
+    metrics["dta/compression_ratio_after_balance"].append(result.compression_after)
+    metrics["dta/rank_cost_imbalance_before_balance"].append(max(costs) / (sum(costs) / len(costs) or 1.0))
+    metrics["dta/rank_cost_imbalance"].append(result.imbalance)
+    return local
+
+
+def per_turn_buffer(trainer, episodes: dict, balance: bool, cost_model: CostModel | None = None) -> list[dict]:
+    """A generation's `steps_per_generation` per-turn micro-batches on this rank, any number of processes.
+
+    The episodes become turn rows ([`~trl_dta.trainers.layouts.expand_per_turn`]), optionally exchanged between ranks
+    ([`balance_turn_rows`]), shuffled with TRL's `shuffle_sequence_dict` and cut into near-equal micro-batches that
+    keep every row; micro-batch `k` is then padded to the largest rank's count of it (at least one row) with rows that
+    carry no loss (see the module docstring). Logs `dta/padding_rows` (padding rows of all ranks per generation).
+
+    Args:
+        trainer (`GRPOTrainer`): the trainer.
+        episodes (`dict`): this rank's generation batch of episodes.
+        balance (`bool`): exchange prompt groups between ranks (`dta_balance`, where [`per_turn_changes`] is None).
+        cost_model ([`~trl_dta.balance.CostModel`], *optional*): cost of a forest, for `balance`.
+    """
+    accelerator, spg = trainer.accelerator, trainer.args.steps_per_generation
+    pad_id, multiple = trainer._tokenizer.pad_token_id or 0, trainer.pad_to_multiple_of
+    rows = expand_per_turn(episodes, pad_id, multiple)
+    if balance:
+        rows = balance_turn_rows(trainer, episodes, rows, cost_model)
+    rows = shuffle_sequence_dict(rows)
+    sizes = split_sizes(num_rows(rows), spg)
+    every = gather_object([sizes]) if accelerator.num_processes > 1 else [sizes]  # (processes, spg)
+    pad_to = [max(*column, 1) for column in zip(*every)]
+    padding = sum(t * len(every) for t in pad_to) - sum(map(sum, every))
+    trainer._metrics["train"]["dta/padding_rows"].append(float(padding))
+    if len({tuple(s) for s in every}) > 1:
+        reason = per_turn_changes(trainer)
+        if reason:
+            warn_once(
+                "per_turn_unequal",
+                f"dta_sample_layout='per_turn': the processes hold different numbers of turn rows per micro-batch "
+                f"({every}); each micro-batch is padded to the largest with rows without loss tokens, which leaves "
+                f"the objective the one-process objective only when it does not depend on the rows' ranks. Here it "
+                f"does: {reason}. Use loss_type='dapo' (TRL's default) for the one-process objective; see the "
+                "README's per-turn table.",
+            )
+    return split_rows(rows, spg, multiple, pad_to=pad_to, pad_token_id=pad_id)
+
+
+def per_turn_eval_rows(trainer, episodes: dict) -> dict:
+    """The turn rows of an evaluation batch, padded to the largest rank's count (TRL's metric gathers need it)."""
+    pad_id, multiple = trainer._tokenizer.pad_token_id or 0, trainer.pad_to_multiple_of
+    rows = expand_per_turn(episodes, pad_id, multiple)
+    counts = gather_object([num_rows(rows)]) if trainer.accelerator.num_processes > 1 else [num_rows(rows)]
+    extra = max(*counts, 1) - num_rows(rows)
+    if extra == 0:
+        return rows
+    token = int(rows["prompt_ids"][0][rows["prompt_mask"][0].bool()][0]) if num_rows(rows) else pad_id
+    return pad_rows(rows, extra, token, pad_id)
