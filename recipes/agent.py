@@ -29,9 +29,9 @@ Launch:
 python recipes/agent.py
 python recipes/agent.py --config recipes/configs/agent.yaml --dta_sample_layout episode
 
-# Two processes on CPU (the episode layout; per_turn needs equal turn-row counts on every rank, else a clear error)
+# Two processes on CPU
 accelerate launch --config_file recipes/configs/accelerate_multi_cpu.yaml recipes/agent.py \
-    --config recipes/configs/agent.yaml --dta_sample_layout episode
+    --config recipes/configs/agent.yaml
 
 # A hub model plays the same text protocol (network; any causal LM whose eos ends a turn)
 python recipes/agent.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --output_dir outputs/agent-qwen2.5-0.5b \
