@@ -1,13 +1,14 @@
 """The per-turn layout on several processes (`accelerate launch`, gloo on CPU), with any number of turn rows per rank.
 
-Each generation's 8 episodes (two tasks per rank, `G` episodes each) expand into a different number of turn rows on each
+Each generation's 16 episodes (two tasks per rank, `G` episodes each) expand into a different number of turn rows on each
 rank; every micro-batch is padded to the largest rank's count with rows that carry no loss (`micro_batches.
 per_turn_buffer`). The runs compare, in float64, every parameter's update within 1e-5 of the update (float32 rounding
 through ~700-token attention alone reaches a few 1e-4 of the smallest updates), and the logged losses:
 
 - 2 processes with unequal turn-row counts against 1 process on the same 8 episodes, DTA's defaults (so
   `dta_balance=True`, which moves whole prompt groups between ranks), and without balancing: `loss_type` `dapo`
-  (TRL's default) and `cispo`, whose normaliser is the generation's token count;
+  (TRL's default) and `cispo`, whose normaliser is the generation's token count; `grpo` (a mean over each
+  micro-batch's rows, corrected by a per-micro-batch factor) with one micro-batch per generation;
 - DTA against TRL's dense path (`dta_enabled=False`) on 2 processes, on the same padded per-turn micro-batches.
 
 This file is also the launched module (`python -m trainers.test_agent_distributed --out run.pt --model_dir DIR ...`
@@ -129,6 +130,21 @@ def test_per_turn_two_processes_unequal_rows_equal_one_process(runs, loss_type):
 
 @pytest.mark.distributed
 @pytest.mark.slow
+def test_per_turn_two_processes_row_mean_loss_equals_one_process(runs):
+    # `grpo` averages each micro-batch's rows: each rank's loss carries the factor processes x padded rows / all real
+    # rows (`micro_batches.row_weights`), which makes it the 1-process objective whenever the micro-batches' sizes do
+    # not depend on where rows go, e.g. one micro-batch per generation (`gradient_accumulation_steps=1`).
+    ref, run = runs(1, loss_type="grpo", ga=1), runs(2, loss_type="grpo", ga=1)
+    rows = real_rows(run)
+    assert sum(rows[0]) != sum(rows[1]), f"equal turn-row counts {rows}: the test would be vacuous"
+    assert_padded_to_equal_counts(run)
+    assert "dta/compression_ratio_after_balance" in run["logs"][0] and "ranks keep" not in run["stderr"]
+    assert "different numbers of turn rows" not in run["stderr"]  # no warning: the objective is exact
+    assert_same_training(ref, run)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_per_turn_two_processes_dta_equals_dense(runs):
     dense, dta = runs(2, dta=0, balance=0), runs(2, loss_type="dapo", balance=0)
     assert dense["rows"] == dta["rows"] and sum(real_rows(dta)[0]) != sum(real_rows(dta)[1])
@@ -153,11 +169,13 @@ def main() -> None:
     parser.add_argument("--dta", type=int, default=1)
     parser.add_argument("--balance", type=int, default=1, help="dta_balance (DTA's default: 1)")
     parser.add_argument("--loss_type", default="dapo")
+    parser.add_argument("--ga", type=int, default=2, help="gradient_accumulation_steps (= steps_per_generation)")
     flags = parser.parse_args()
     torch.set_num_threads(1)
     domain, tokenizer = RetailDomain(seed=0), build_tokenizer()
-    # 8 episodes per generation on any number of processes: 2 tasks x G on each of 2 ranks, or all 4 on one.
-    args = make_args(DTAGRPOConfig, Path(flags.out).with_suffix(""), 2, per_device_train_batch_size=8 // flags.processes,
+    # 16 episodes per generation on any number of processes: 2 tasks x G on each of 2 ranks, or all 4 on one.
+    args = make_args(DTAGRPOConfig, Path(flags.out).with_suffix(""), 2, gradient_accumulation_steps=flags.ga,
+                     per_device_train_batch_size=16 // (flags.processes * flags.ga),
                      num_generations=G, max_completion_length=64, loss_type=flags.loss_type, num_iterations=2,
                      beta=0.0, dta_enabled=bool(flags.dta), dta_balance=bool(flags.balance),
                      dta_sample_layout="per_turn", model_init_kwargs={"dtype": torch.float64})

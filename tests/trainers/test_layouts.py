@@ -25,6 +25,7 @@ from trl_dta.trainers.layouts import (
     per_turn_micro_batches,
     split_rows,
     split_sizes,
+    split_sizes_across,
     turn_spans,
 )
 
@@ -322,6 +323,14 @@ def test_split_pads_to_given_counts(episodes, tokenizer):
     (chunk,) = split_rows(empty, 1, pad_to=[1], pad_token_id=pad_id)
     assert sequences(chunk) == [[pad_id]] and chunk["completion_ids"].shape == chunk["prompt_ids"].shape == (1, 1)
     assert not chunk["completion_mask"].any() and chunk["old_per_token_logps"].shape == (1, 1)
+
+
+@pytest.mark.parametrize("counts,num_chunks", [([7, 5], 3), ([22, 23], 2), ([0, 5, 1], 4), ([3], 1), ([9, 9], 2)])
+def test_split_sizes_across_ranks_are_one_process_sizes(counts, num_chunks):
+    every = split_sizes_across(counts, num_chunks)
+    assert [sum(sizes) for sizes in every] == counts
+    assert [max(sizes) - min(sizes) for sizes in every] == [int(c % num_chunks > 0) for c in counts]
+    assert [sum(column) for column in zip(*every)] == split_sizes(sum(counts), num_chunks)
 
 
 ROW_MEAN = {"grpo", "sapo", "luspo", "dr_grpo"}  # normalised by the micro-batch's row count

@@ -201,11 +201,43 @@ def _trim(batch: dict, pad_to_multiple_of: int | None) -> dict:
     return out
 
 
+# Key of a per-turn micro-batch whose value (a float) multiplies its loss: the row-count correction of the row-mean
+# loss types on several processes (`micro_batches.per_turn_buffer`). Absent: 1.
+ROW_WEIGHT_KEY = "dta_row_weight"
+
+
 def split_sizes(rows: int, num_chunks: int) -> list[int]:
     """Rows of each of `num_chunks` contiguous micro-batches: `rows // num_chunks`, the first `rows % num_chunks` one
     more."""
     base, extra = divmod(rows, num_chunks)
     return [base + (k < extra) for k in range(num_chunks)]
+
+
+def split_sizes_across(counts: list[int], num_chunks: int) -> list[list[int]]:
+    """Per rank, the rows of each of its `num_chunks` micro-batches, such that micro-batch `k` of all ranks together
+    holds `split_sizes(sum(counts), num_chunks)[k]` rows: the sizes one process would cut.
+
+    Rank `r` gives `counts[r] // num_chunks` rows to every micro-batch, and one more to `counts[r] % num_chunks` of
+    them, taken cyclically after those of the ranks before it:
+
+    ```
+    counts 7, 5, num_chunks 3:   rank 0: 3 2 2   (extra at 0)     rank 1: 1 2 2   (extras at 1, 2)   all: 4 4 4
+    ```
+
+    Args:
+        counts (`list[int]`): rows of each rank.
+        num_chunks (`int`): micro-batches per rank.
+    """
+    num_chunks = check_int("num_chunks", num_chunks, minimum=1)
+    out, offset = [], 0
+    for count in counts:
+        base, extra = divmod(count, num_chunks)
+        sizes = [base] * num_chunks
+        for i in range(extra):
+            sizes[(offset + i) % num_chunks] += 1
+        offset = (offset + extra) % num_chunks
+        out.append(sizes)
+    return out
 
 
 def pad_rows(batch: dict, rows: int, token_id: int, pad_token_id: int) -> dict:
@@ -258,11 +290,11 @@ def pad_rows(batch: dict, rows: int, token_id: int, pad_token_id: int) -> dict:
 
 
 def split_rows(batch: dict, num_chunks: int, pad_to_multiple_of: int | None = None, *,
-               pad_to: list[int] | None = None, pad_token_id: int = 0) -> list[dict]:
+               sizes: list[int] | None = None, pad_to: list[int] | None = None, pad_token_id: int = 0) -> list[dict]:
     """Cut a batch of per-turn rows into `num_chunks` micro-batches, keeping every row.
 
     Unlike TRL's `split_tensor_dict`, which cuts `rows // num_chunks` rows per chunk and drops the rest, chunk `k` gets
-    rows `[sum(sizes[:k]), sum(sizes[:k + 1]))` with `sizes` = [`split_sizes`]. With `pad_to`, chunk `k` is filled up
+    rows `[sum(sizes[:k]), sum(sizes[:k + 1]))`, by default with `sizes` = [`split_sizes`]. With `pad_to`, chunk `k` is filled up
     to `pad_to[k]` rows with [`pad_rows`] (rows without loss tokens). Each chunk is trimmed to the widths its own rows
     need.
 
@@ -270,9 +302,10 @@ def split_rows(batch: dict, num_chunks: int, pad_to_multiple_of: int | None = No
         batch (`dict`): per-turn rows (the output of [`expand_per_turn`], shuffled or not).
         num_chunks (`int`): micro-batches, TRL's `steps_per_generation`.
         pad_to_multiple_of (`int`, *optional*): keep both widths multiples of it.
-        pad_to (`list[int]`, *optional*): rows of each chunk after padding, each at least 1 and at least
-            `split_sizes(rows, num_chunks)[k]` (the trainer passes the largest rank's sizes). Without it, every chunk
-            must get a row.
+        sizes (`list[int]`, *optional*): real rows of each chunk, summing to the batch's rows (the trainer passes
+            [`split_sizes_across`]'s); [`split_sizes`] if None.
+        pad_to (`list[int]`, *optional*): rows of each chunk after padding, each at least 1 and at least `sizes[k]`
+            (the trainer passes the largest rank's sizes). Without it, every chunk must get a row.
         pad_token_id (`int`, *optional*, defaults to 0): the padding rows' padding id.
 
     Returns:
@@ -280,8 +313,11 @@ def split_rows(batch: dict, num_chunks: int, pad_to_multiple_of: int | None = No
     """
     num_chunks = check_int("num_chunks", num_chunks, minimum=1)
     rows = num_rows(batch)
-    sizes = split_sizes(rows, num_chunks)
-    if pad_to is None and rows < num_chunks:
+    if sizes is None:
+        sizes = split_sizes(rows, num_chunks)
+    elif len(sizes) != num_chunks or sum(sizes) != rows or min(sizes) < 0:
+        raise ValueError(f"`sizes={sizes}` must give {num_chunks} chunk sizes summing to the batch's {rows} rows.")
+    if pad_to is None and min(sizes) == 0:
         raise ValueError(
             f"the per-turn layout has {rows} rows on this process, fewer than `steps_per_generation={num_chunks}` "
             "micro-batches; every process needs at least one row per micro-batch. Lower `steps_per_generation` (or "
