@@ -20,6 +20,7 @@ from trl.trainer.utils import pad
 from trl_dta.envs import Generation, RetailDomain, layout_sequences, play_episodes
 from trl_dta.tiny import build_model, build_tokenizer
 from trl_dta.trainers.layouts import (
+    ROW_COUNTS_KEY,
     expand_per_turn,
     pad_rows,
     per_turn_micro_batches,
@@ -28,6 +29,7 @@ from trl_dta.trainers.layouts import (
     split_sizes_across,
     turn_spans,
 )
+from trl_dta.trainers.micro_batches import unpadded_metrics
 
 MAX_TURNS = 3
 MAX_TURN_TOKENS = 64
@@ -372,7 +374,8 @@ def test_padding_rows_carry_no_loss(tmp_path, episodes, tokenizer, loss_type, le
     def run(batch, factor=1.0):
         trainer.model.zero_grad()
         trainer._metrics["train"].clear()
-        loss = trainer._compute_loss(trainer.model, batch) * factor
+        with unpadded_metrics(trainer, batch):
+            loss = trainer._compute_loss(trainer.model, batch) * factor
         loss.backward()
         grads = torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
         return loss.item(), grads, {k: v[-1] for k, v in trainer._metrics["train"].items()}
@@ -382,14 +385,25 @@ def test_padding_rows_carry_no_loss(tmp_path, episodes, tokenizer, loss_type, le
     # differ by ~1e-7.
     factor = n / (n + extra) if loss_type in ROW_MEAN else 1.0
     loss, grads, metrics = run(rows, factor)
-    padded_loss, padded_grads, padded_metrics = run(padded)
+    padded_loss, padded_grads, padded_metrics = run({**padded, ROW_COUNTS_KEY: (n, n + extra)})
     assert padded_loss == pytest.approx(loss, rel=1e-12)
     assert (padded_grads - grads).abs().max() <= 1e-12 * grads.abs().max()
     assert loss != 0 and grads.abs().max() > 0
-    # Row-count metrics (one value per sequence: sequence-level ratios, VESPO's weight) count the padding rows.
-    by_rows = {"vespo/phi_seq_mean"} | ({"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                                         "clip_ratio/low_min"} if level == "sequence" else set())
+    # The per-sequence means (sequence-level ratios, VESPO's weight) are corrected to the real rows by
+    # `unpadded_metrics`; a sequence-level minimum over rows can only be lowered by a padding row's 0 (documented).
+    # TRL divides those means by a float32 row count (its `.item()` is float32-rounded), which the correction
+    # multiplies by all / real rows: they agree to float32 rounding; the token-level metrics are exact.
+    corrected = ["vespo/phi_seq_mean"] if loss_type == "vespo" else []
+    corrected += ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                  "cispo_clip_ratio"] if level == "sequence" else []
     assert metrics.keys() == padded_metrics.keys() and "entropy" in metrics
     for key, value in metrics.items():
-        if key not in by_rows:
-            assert padded_metrics[key] == pytest.approx(value, rel=1e-12, nan_ok=True)
+        if not (level == "sequence" and key == "clip_ratio/low_min"):
+            rel = 1e-6 if key in corrected else 1e-12
+            assert padded_metrics[key] == pytest.approx(value, rel=rel, abs=1e-15, nan_ok=True), key
+    # Without the correction, those means count the padding rows (the check above can fail).
+    trainer._metrics["train"].clear()
+    with torch.no_grad():
+        trainer._compute_loss(trainer.model, padded)
+    for key in [k for k in corrected if metrics.get(k)]:
+        assert trainer._metrics["train"][key][-1] != pytest.approx(metrics[key], rel=1e-6), key

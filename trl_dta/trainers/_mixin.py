@@ -63,6 +63,7 @@ from .micro_batches import (
     per_turn_eval_rows,
     regrouping_changes,
     split_by_groups,
+    unpadded_metrics,
 )
 from .step_forest import StepForest, buffered_window
 
@@ -359,8 +360,9 @@ class DTATrainerMixin:
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         weight = inputs.get(ROW_WEIGHT_KEY, 1.0)  # per-turn rows on several processes (`micro_batches.row_weights`)
         if not (self._dta.dta_enabled and not return_outputs and self.model.training and torch.is_grad_enabled()):
-            out = super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                       num_items_in_batch=num_items_in_batch)
+            with unpadded_metrics(self, inputs):
+                out = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                           num_items_in_batch=num_items_in_batch)
             return out if weight == 1.0 else (out[0] * weight, *out[1:]) if return_outputs else out * weight
         if self._step not in self._dta_micro_steps:
             self._dta_run_window(model, inputs, num_items_in_batch)
@@ -374,9 +376,10 @@ class DTATrainerMixin:
         dense = micro_step.logps is None
         self._metrics["train"]["dta/dense_fallback"].append(float(dense))
         if dense:
-            return super().compute_loss(model, inputs, num_items_in_batch=num_items_in_batch) * weight
+            with unpadded_metrics(self, inputs):
+                return super().compute_loss(model, inputs, num_items_in_batch=num_items_in_batch) * weight
         self._metrics["train"]["dta/compression_ratio_micro_batch"].append(micro_step.compression)
-        with torch.no_grad(), self._dta_replay(micro_step.logps, micro_step.entropies):
+        with torch.no_grad(), self._dta_replay(micro_step.logps, micro_step.entropies), unpadded_metrics(self, inputs):
             loss = self._compute_loss(model, inputs) * weight  # the logged value and TRL's metrics
         return loss.detach().requires_grad_()
 

@@ -204,6 +204,9 @@ def _trim(batch: dict, pad_to_multiple_of: int | None) -> dict:
 # Key of a per-turn micro-batch whose value (a float) multiplies its loss: the row-count correction of the row-mean
 # loss types on several processes (`micro_batches.per_turn_buffer`). Absent: 1.
 ROW_WEIGHT_KEY = "dta_row_weight"
+# Key of a padded per-turn micro-batch whose value `(real, total)` counts its real rows and all its rows on all ranks,
+# for the metrics TRL averages over rows (`micro_batches.unpadded_metrics`). Absent: no padding row anywhere.
+ROW_COUNTS_KEY = "dta_row_counts"
 
 
 def split_sizes(rows: int, num_chunks: int) -> list[int]:

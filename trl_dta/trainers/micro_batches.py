@@ -34,6 +34,8 @@ rank 1 turn rows: 5 -> micro-batches of 2, 3          padded to 4, 3    ("+": a 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from accelerate.utils import gather_object
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
@@ -43,6 +45,7 @@ from ..balance import CostModel, forest_stats, partition
 from ..batch import Layout, group_ids, has_vision_inputs, num_rows, sequences, take_rows
 from ..distributed import redistribute
 from .layouts import (
+    ROW_COUNTS_KEY,
     ROW_WEIGHT_KEY,
     episode_of_rows,
     expand_per_turn,
@@ -292,9 +295,11 @@ def per_turn_buffer(trainer, episodes: dict, balance: bool, cost_model: CostMode
         )
     chunks = split_rows(rows, spg, multiple, sizes=every[accelerator.process_index], pad_to=pad_to,
                         pad_token_id=pad_id)
-    for chunk, weight in zip(chunks, row_weights(trainer, real, pad_to)):
+    for chunk, weight, padded, total in zip(chunks, row_weights(trainer, real, pad_to), pad_to, real):
         if weight != 1.0:
             chunk[ROW_WEIGHT_KEY] = weight
+        if padded * len(every) != total:
+            chunk[ROW_COUNTS_KEY] = (total, padded * len(every))
     return chunks
 
 
@@ -311,4 +316,39 @@ def per_turn_eval_rows(trainer, episodes: dict) -> dict:
     (weight,) = row_weights(trainer, [sum(counts)], [most])
     if weight != 1.0:
         rows[ROW_WEIGHT_KEY] = weight
+    if most * len(counts) != sum(counts):
+        rows[ROW_COUNTS_KEY] = (sum(counts), most * len(counts))
     return rows
+
+
+# TRL's metrics that average one value per sequence over the rows of all ranks (its `global_masked_mean` of a
+# `(B, 1)` tensor: with `importance_sampling_level="sequence"`, and VESPO's weight always), with a padding row's
+# value (no clipping: zero advantage; VESPO's weight of a ratio of 1 is 1).
+_PER_SEQUENCE_METRICS = {"clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": 0.0, "clip_ratio/region_mean": 0.0,
+                         "cispo_clip_ratio": 0.0}
+_ALWAYS_PER_SEQUENCE_METRICS = {"vespo/phi_seq_mean": 1.0}
+
+
+@contextlib.contextmanager
+def unpadded_metrics(trainer, inputs: dict):
+    """Around TRL's `_compute_loss` on a padded per-turn micro-batch: the per-sequence means it logs are corrected to
+    the real rows, `(mean * total - padding * padding_value) / real`, from the micro-batch's `ROW_COUNTS_KEY`.
+
+    TRL's token-level metrics need no correction (a padding row has no token); `clip_ratio/low_min` with
+    sequence-level importance sampling is a minimum over rows, which a padding row's 0 can lower (documented).
+    """
+    counts = inputs.get(ROW_COUNTS_KEY)
+    if counts is None:
+        yield
+        return
+    real, total = counts
+    metrics = trainer._metrics["train" if trainer.model.training else "eval"]
+    fixes = dict(_ALWAYS_PER_SEQUENCE_METRICS)
+    if getattr(trainer, "importance_sampling_level", "token") == "sequence":
+        fixes.update(_PER_SEQUENCE_METRICS)
+    before = {key: len(metrics.get(key, ())) for key in fixes}
+    yield
+    for key, pad_value in fixes.items():
+        values = metrics.get(key, [])
+        for i in range(before[key], len(values)):
+            values[i] = (values[i] * total - (total - real) * pad_value) / real if real else float("nan")
