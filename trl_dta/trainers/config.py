@@ -136,7 +136,8 @@ class DTAArguments:
             "(`gradient_accumulation_steps` a multiple of `steps_per_generation`), the loss does not depend on which "
             "rows a rank holds (not `loss_type='bnpo'`, no entropy bonus, `top_entropy_quantile=1`), and each "
             "process's generation batch holds whole groups (a multiple of `num_generations` rows). Elsewhere ranks "
-            "keep TRL's rows, and a warning says why once."
+            "keep TRL's rows, and a warning says why once. With `dta_sample_layout='per_turn'`, ranks hold any number "
+            "of turn rows and the rule is that layout's (see `dta_sample_layout`)."
         },
     )
     dta_cost_model: str = field(
