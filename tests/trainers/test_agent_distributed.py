@@ -191,7 +191,7 @@ def main() -> None:
     if state.is_main_process:
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
         torch.save({"params": params, "initial": initial, "rows": rows, "processes": state.num_processes,
-                    "logs": [e for e in trainer.state.log_history if "loss" in e]}, flags.out)
+                    "flags": vars(flags), "logs": [e for e in trainer.state.log_history if "loss" in e]}, flags.out)
     if state.num_processes > 1:
         state.wait_for_everyone()
         sys.stdout.flush()
