@@ -1,11 +1,11 @@
 """The per-turn layout on several processes (`accelerate launch`, gloo on CPU), with any number of turn rows per rank.
 
-Each generation's 16 episodes (two tasks per rank, `G` episodes each) expand into a different number of turn rows on each
-rank; every micro-batch is padded to the largest rank's count with rows that carry no loss (`micro_batches.
+Each generation's 16 episodes (two tasks per rank, `G` episodes each) expand into a different number of turn rows on
+each rank; every micro-batch is padded to the largest rank's count with rows that carry no loss (`micro_batches.
 per_turn_buffer`). The runs compare, in float64, every parameter's update within 1e-5 of the update (float32 rounding
 through ~700-token attention alone reaches a few 1e-4 of the smallest updates), and the logged losses:
 
-- 2 processes with unequal turn-row counts against 1 process on the same 8 episodes, DTA's defaults (so
+- 2 processes with unequal turn-row counts against 1 process on the same 16 episodes, DTA's defaults (so
   `dta_balance=True`, which moves whole prompt groups between ranks), and without balancing: `loss_type` `dapo`
   (TRL's default) and `cispo`, whose normaliser is the generation's token count; `grpo` (a mean over each
   micro-batch's rows, corrected by a per-micro-batch factor) with one micro-batch per generation;
@@ -42,7 +42,8 @@ def free_port() -> int:
 
 def launch(out: Path, model_dir: Path, processes: int = 2, **flags) -> subprocess.CompletedProcess:
     """One training run of [`main`] on `processes` processes; `flags` are its command-line flags."""
-    run = ["--module", "trainers.test_agent_distributed"] if processes > 1 else ["-m", "trainers.test_agent_distributed"]
+    module = "trainers.test_agent_distributed"
+    run = ["--module", module] if processes > 1 else ["-m", module]
     launcher = ["-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={processes}", "--num_machines=1",
                 "--mixed_precision=no", "--dynamo_backend=no", f"--main_process_port={free_port()}"]
     cmd = [sys.executable, *(launcher if processes > 1 else []), *run, f"--out={out}", f"--model_dir={model_dir}",

@@ -297,9 +297,9 @@ def split_rows(batch: dict, num_chunks: int, pad_to_multiple_of: int | None = No
     """Cut a batch of per-turn rows into `num_chunks` micro-batches, keeping every row.
 
     Unlike TRL's `split_tensor_dict`, which cuts `rows // num_chunks` rows per chunk and drops the rest, chunk `k` gets
-    rows `[sum(sizes[:k]), sum(sizes[:k + 1]))`, by default with `sizes` = [`split_sizes`]. With `pad_to`, chunk `k` is filled up
-    to `pad_to[k]` rows with [`pad_rows`] (rows without loss tokens). Each chunk is trimmed to the widths its own rows
-    need.
+    rows `[sum(sizes[:k]), sum(sizes[:k + 1]))`, by default with `sizes` = [`split_sizes`]. With `pad_to`, chunk `k`
+    is filled up to `pad_to[k]` rows with [`pad_rows`] (rows without loss tokens). Each chunk is trimmed to the widths
+    its own rows need.
 
     Args:
         batch (`dict`): per-turn rows (the output of [`expand_per_turn`], shuffled or not).
