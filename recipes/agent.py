@@ -36,9 +36,9 @@ python recipes/agent.py
 python recipes/agent.py --config recipes/configs/agent.yaml --dta_sample_layout episode
 python recipes/agent.py --agent_branching 2 2                       # tree rollouts: 4 episodes per task share turn 1
 
-# Two processes on CPU (the episode layout; per_turn needs equal turn-row counts on every rank, else a clear error)
+# Two processes on CPU
 accelerate launch --config_file recipes/configs/accelerate_multi_cpu.yaml recipes/agent.py \
-    --config recipes/configs/agent.yaml --dta_sample_layout episode
+    --config recipes/configs/agent.yaml
 
 # The real tau2-bench domains (pip install "trl-dta[tau2]"), offline: tau2's tasks, tools, database and evaluator,
 # the scripted user, the tiny model with a byte-level tokenizer carrying TRL's Qwen2.5 chat template. The mock

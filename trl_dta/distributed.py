@@ -38,9 +38,18 @@ def gather_batch(accelerator, batch: dict, pad_token_id: int) -> dict:
     """The global generation batch, rows in rank order (the order TRL's reward gathering uses).
 
     Per-row tensors are padded to the widest rank first (prompt tensors on the left, everything else on the right);
-    scalars (`num_items_in_batch`) are already global and kept; None stays None.
+    scalars (`num_items_in_batch`) are already global and kept; None stays None. Ranks may hold different numbers of
+    rows (per-turn rows, `trainers/layouts.py`): the rows are then padded to the largest count for the gather and the
+    padding dropped from the result.
     """
+    from accelerate.utils import gather_object
+
     n = num_rows(batch)
+    counts = gather_object([n])
+    most = max(counts)
+    keep = None
+    if min(counts) != most:  # rank r's rows sit at [r * most, r * most + counts[r]) of the padded gather
+        keep = torch.cat([torch.arange(r * most, r * most + c) for r, c in enumerate(counts)])
     out = {}
     for key, value in batch.items():
         if value is None or (isinstance(value, torch.Tensor) and value.ndim == 0):
@@ -54,7 +63,10 @@ def gather_batch(accelerator, batch: dict, pad_token_id: int) -> dict:
         if value.ndim > 1:
             pad = pad_token_id if key == "prompt_ids" else 0
             value = accelerator.pad_across_processes(value, dim=1, pad_index=pad, pad_first=key in _PROMPT_KEYS)
-        out[key] = accelerator.gather(value)
+        if keep is not None:
+            value = accelerator.pad_across_processes(value, dim=0)
+        value = accelerator.gather(value)
+        out[key] = value if keep is None else value[keep.to(value.device)]
     return out
 
 

@@ -19,7 +19,17 @@ from trl.trainer.utils import pad
 
 from trl_dta.envs import Generation, RetailDomain, layout_sequences, play_episodes
 from trl_dta.tiny import build_model, build_tokenizer
-from trl_dta.trainers.layouts import expand_per_turn, per_turn_micro_batches, split_rows, turn_spans
+from trl_dta.trainers.layouts import (
+    ROW_COUNTS_KEY,
+    expand_per_turn,
+    pad_rows,
+    per_turn_micro_batches,
+    split_rows,
+    split_sizes,
+    split_sizes_across,
+    turn_spans,
+)
+from trl_dta.trainers.micro_batches import unpadded_metrics
 
 MAX_TURNS = 3
 MAX_TURN_TOKENS = 64
@@ -283,3 +293,117 @@ def test_replay_rollout_groups(domain, tokenizer):
     assert len(out["prompt_ids"]) == 8 and len(set(map(tuple, out["completion_ids"][:4]))) == 4
     assert len(set(out["episode_reward"][:4])) > 1 and len(set(out["episode_reward"][4:])) > 1  # advantages move
     assert all(re.search(r"\nticket 5\n", tokenizer.decode(p)) for p in out["prompt_ids"][4:])
+
+
+# --------------------------------------------------------------------------------------------------- padding rows
+
+
+def test_split_pads_to_given_counts(episodes, tokenizer):
+    pad_id = tokenizer.pad_token_id
+    rows = expand_per_turn(episode_batch(episodes[:2], pad_id), pad_id)
+    n = rows["prompt_ids"].shape[0]
+    sizes = split_sizes(n, 3)
+    chunks = split_rows(rows, 3, pad_to=[sizes[0] + 2, sizes[1], sizes[2] + 1], pad_token_id=pad_id)
+    assert [len(c["prompt_ids"]) for c in chunks] == [sizes[0] + 2, sizes[1], sizes[2] + 1]
+    real = [c["completion_mask"].sum(1) > 0 for c in chunks]
+    assert [int(r.sum()) for r in real] == sizes and all(r[:s].all() for r, s in zip(real, sizes))
+    assert sum((sequences(c)[:s] for c, s in zip(chunks, sizes)), []) == sequences(rows)
+    first_token = rows["prompt_ids"][0, -rows["prompt_mask"][0].sum()].item()
+    for chunk, size in zip(chunks, sizes):
+        assert all(seq == [first_token] for seq in sequences(chunk)[size:])  # one prompt token, no completion
+        assert not chunk["advantages"][size:].any() and chunk["tool_mask"][size:].all()
+    # More micro-batches than rows: the empty ones get a padding row each.
+    chunks = split_rows(rows, n + 2, pad_to=[1] * (n + 2), pad_token_id=pad_id)
+    assert [int(c["completion_mask"].sum(1).gt(0).sum()) for c in chunks] == [1] * n + [0, 0]
+    with pytest.raises(ValueError, match="pad_to"):
+        split_rows(rows, 3, pad_to=[sizes[0] - 1, sizes[1], sizes[2]])
+    # A rank without any turn row (every completion masked): one padding row of `pad_token_id`, widths of 1.
+    batch = episode_batch(episodes[:2], pad_id)
+    batch["completion_mask"].zero_()
+    empty = expand_per_turn(batch, pad_id)
+    assert empty["prompt_ids"].shape == (0, 0)
+    (chunk,) = split_rows(empty, 1, pad_to=[1], pad_token_id=pad_id)
+    assert sequences(chunk) == [[pad_id]] and chunk["completion_ids"].shape == chunk["prompt_ids"].shape == (1, 1)
+    assert not chunk["completion_mask"].any() and chunk["old_per_token_logps"].shape == (1, 1)
+
+
+@pytest.mark.parametrize("counts,num_chunks", [([7, 5], 3), ([22, 23], 2), ([0, 5, 1], 4), ([3], 1), ([9, 9], 2)])
+def test_split_sizes_across_ranks_are_one_process_sizes(counts, num_chunks):
+    every = split_sizes_across(counts, num_chunks)
+    assert [sum(sizes) for sizes in every] == counts
+    assert [max(sizes) - min(sizes) for sizes in every] == [int(c % num_chunks > 0) for c in counts]
+    assert [sum(column) for column in zip(*every)] == split_sizes(sum(counts), num_chunks)
+
+
+ROW_MEAN = {"grpo", "sapo", "luspo", "dr_grpo"}  # normalised by the micro-batch's row count
+
+
+@pytest.mark.parametrize("loss_type,level", [("dapo", "token"), ("cispo", "token"), ("vespo", "token"),
+                                             ("bnpo", "token"), ("grpo", "token"), ("grpo", "sequence"),
+                                             ("sapo", "token"), ("luspo", "sequence"), ("dr_grpo", "token")])
+def test_padding_rows_carry_no_loss(tmp_path, episodes, tokenizer, loss_type, level):
+    """TRL's `_compute_loss` on a micro-batch of turn rows and on the same rows plus padding rows: the same loss and
+    gradient (row-mean loss types: scaled by real rows / all rows, as documented), and the same token-level metrics."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trainers.conftest import make_args
+
+    pad_id = tokenizer.pad_token_id
+    # float64 with RMSNorm in the input dtype (the stock norm rounds through float32, where the batch size's effect on
+    # the matmuls' float64 rounding can flip a float32 rounding): only float64 rounding is left.
+    model = use_input_dtype_norms(build_model(tokenizer, hidden_size=32, dtype=torch.float64))
+    args = make_args(GRPOConfig, tmp_path, 1, loss_type=loss_type, importance_sampling_level=level, beta=0.0)
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+                          train_dataset=Dataset.from_dict({"prompt": ["abc"]}), processing_class=tokenizer)
+    trainer.beta = 0.1  # the KL term reads the batch's reference log-probs (no reference model is needed)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    rows = expand_per_turn(episode_batch(episodes[1:2], pad_id), pad_id)  # 3 turns
+    rows = {k: v.double() if v.is_floating_point() else v for k, v in rows.items()}  # advantages, logps: float64
+    # Old log-probs near the policy's, so that the ratios sit around 1 and both clipping branches occur.
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, torch.cat([rows["prompt_ids"], rows["completion_ids"]], 1),
+            torch.cat([rows["prompt_mask"], rows["completion_mask"]], 1), rows["completion_ids"].size(1))
+    noise = 0.3 * torch.randn(logps.shape, generator=torch.Generator().manual_seed(0), dtype=logps.dtype)
+    rows["old_per_token_logps"] = (logps + noise) * rows["completion_mask"]
+    n, extra = rows["prompt_ids"].shape[0], 3
+    padded = pad_rows(rows, extra, int(rows["prompt_ids"][0, -1]), pad_id)
+
+    def run(batch, factor=1.0):
+        trainer.model.zero_grad()
+        trainer._metrics["train"].clear()
+        with unpadded_metrics(trainer, batch):
+            loss = trainer._compute_loss(trainer.model, batch) * factor
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
+        return loss.item(), grads, {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+    # Row-mean loss types: the padded loss is the loss times real rows / all rows. The factor is applied inside the
+    # graph: the tiny model's backward rounds through float32 somewhere, so scaling the gradients afterwards would
+    # differ by ~1e-7.
+    factor = n / (n + extra) if loss_type in ROW_MEAN else 1.0
+    loss, grads, metrics = run(rows, factor)
+    padded_loss, padded_grads, padded_metrics = run({**padded, ROW_COUNTS_KEY: (n, n + extra)})
+    assert padded_loss == pytest.approx(loss, rel=1e-12)
+    assert (padded_grads - grads).abs().max() <= 1e-12 * grads.abs().max()
+    assert loss != 0 and grads.abs().max() > 0
+    # The per-sequence means (sequence-level ratios, VESPO's weight) are corrected to the real rows by
+    # `unpadded_metrics`; a sequence-level minimum over rows can only be lowered by a padding row's 0 (documented).
+    # TRL divides those means by a float32 row count (its `.item()` is float32-rounded), which the correction
+    # multiplies by all / real rows: they agree to float32 rounding; the token-level metrics are exact.
+    corrected = ["vespo/phi_seq_mean"] if loss_type == "vespo" else []
+    corrected += ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                  "cispo_clip_ratio"] if level == "sequence" else []
+    assert metrics.keys() == padded_metrics.keys() and "entropy" in metrics
+    for key, value in metrics.items():
+        if not (level == "sequence" and key == "clip_ratio/low_min"):
+            rel = 1e-6 if key in corrected else 1e-12
+            assert padded_metrics[key] == pytest.approx(value, rel=rel, abs=1e-15, nan_ok=True), key
+    # Without the correction, those means count the padding rows (the check above can fail).
+    trainer._metrics["train"].clear()
+    with torch.no_grad():
+        trainer._compute_loss(trainer.model, padded)
+    for key in [k for k in corrected if metrics.get(k)]:
+        assert trainer._metrics["train"][key][-1] != pytest.approx(metrics[key], rel=1e-6), key

@@ -62,8 +62,15 @@ from ..lm_head import HeadSpec
 from ..parallel import strategy_for
 from ..tree import PrefixTree
 from .config import _OFF, DTAArguments, check_trainer_args, check_trl_version
-from .layouts import expand_per_turn, per_turn_micro_batches
-from .micro_batches import balance_ranks, regrouping_changes, split_by_groups
+from .layouts import ROW_WEIGHT_KEY
+from .micro_batches import (
+    balance_ranks,
+    per_turn_buffer,
+    per_turn_eval_rows,
+    regrouping_changes,
+    split_by_groups,
+    unpadded_metrics,
+)
 from .step_forest import StepForest, buffered_window
 
 
@@ -241,26 +248,20 @@ class DTATrainerMixin:
         return self._buffered_inputs[self._step % spg]
 
     def _dta_prepare_per_turn(self, generation_batch):
-        """TRL's `_prepare_inputs` with one row per assistant turn, DTA on or off (`layouts.py`): each generation's
-        episodes become turn rows, shuffled by TRL's draw and cut into `steps_per_generation` micro-batches that keep
-        every row; in evaluation, the generation's turn rows. Ranks keep their own episodes (no `dta_balance`)."""
-        pad_token_id, multiple = self._tokenizer.pad_token_id, self.pad_to_multiple_of
+        """TRL's `_prepare_inputs` with one row per assistant turn, DTA on or off (`micro_batches.per_turn_buffer`):
+        each generation's episodes become turn rows (exchanged between ranks with `dta_balance`), shuffled by TRL's
+        draw, cut into `steps_per_generation` micro-batches that keep every row and padded to equal counts across
+        ranks (with the row-count factor of the row-mean loss types, applied by `compute_loss`); in evaluation, the
+        generation's turn rows, padded likewise."""
         if not self.model.training:
-            return expand_per_turn(self._generate_and_score_completions(generation_batch), pad_token_id, multiple)
+            return per_turn_eval_rows(self, self._generate_and_score_completions(generation_batch))
         spg = self.args.steps_per_generation
         if self._step % (spg * self.num_iterations) == 0 or self._buffered_inputs is None:
             batch = self._generate_and_score_completions(generation_batch)
-            self._buffered_inputs = per_turn_micro_batches(batch, spg, pad_token_id, multiple)
-            if self.accelerator.num_processes > 1:
-                from accelerate.utils import gather_object
-
-                rows = gather_object([[len(b["prompt_ids"]) for b in self._buffered_inputs]])
-                if any(counts != rows[0] for counts in rows):
-                    raise ValueError(
-                        f"dta_sample_layout='per_turn': the processes hold different numbers of turn rows per "
-                        f"micro-batch ({rows}), and TRL's `_compute_loss` gathers per-row metrics across processes, "
-                        "which needs equal counts. Use one process, or `dta_sample_layout='episode'`."
-                    )
+            balance = self._dta.dta_enabled and self._dta.dta_balance and self.accelerator.num_processes > 1
+            if balance and self._dta.dta_cost_model == "fit":
+                self._dta_refit_cost_model()
+            self._buffered_inputs = per_turn_buffer(self, batch, balance, self._dta_cost_model if balance else None)
         return self._buffered_inputs[self._step % spg]
 
     def _dta_refit_cost_model(self) -> None:
@@ -377,9 +378,12 @@ class DTATrainerMixin:
         return loss
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        weight = inputs.get(ROW_WEIGHT_KEY, 1.0)  # per-turn rows on several processes (`micro_batches.row_weights`)
         if not (self._dta.dta_enabled and not return_outputs and self.model.training and torch.is_grad_enabled()):
-            return super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                        num_items_in_batch=num_items_in_batch)
+            with unpadded_metrics(self, inputs):
+                out = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                           num_items_in_batch=num_items_in_batch)
+            return out if weight == 1.0 else (out[0] * weight, *out[1:]) if return_outputs else out * weight
         if self._step not in self._dta_micro_steps:
             self._dta_run_window(model, inputs, num_items_in_batch)
         micro_step = self._dta_micro_steps.pop(self._step)
@@ -392,10 +396,12 @@ class DTATrainerMixin:
         dense = micro_step.logps is None
         self._metrics["train"]["dta/dense_fallback"].append(float(dense))
         if dense:
-            return super().compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+            with unpadded_metrics(self, inputs):
+                return super().compute_loss(model, inputs, num_items_in_batch=num_items_in_batch) * weight
         self._metrics["train"]["dta/compression_ratio_micro_batch"].append(micro_step.compression)
-        with torch.no_grad(), self._dta_replay(micro_step.logps, micro_step.entropies, micro_step.aux_loss):
-            loss = self._compute_loss(model, inputs)  # the logged value and TRL's metrics
+        with torch.no_grad(), self._dta_replay(micro_step.logps, micro_step.entropies, micro_step.aux_loss), \
+                unpadded_metrics(self, inputs):
+            loss = self._compute_loss(model, inputs) * weight  # the logged value and TRL's metrics
         return loss.detach().requires_grad_().clone()  # a `grad_fn` that reaches no parameter (DeepSpeed asks one)
 
     def _dta_sequence_loss(self, inputs: dict, scale: float):
@@ -445,7 +451,7 @@ class DTATrainerMixin:
         start = time.perf_counter()
         engine = self._dta_engine(self.accelerator.unwrap_model(model))
         scale = self._dta_loss_scale(num_items_in_batch)
-        terms = [self._dta_sequence_loss(batch, scale) for batch in forest.batches]
+        terms = [self._dta_sequence_loss(batch, scale * batch.get(ROW_WEIGHT_KEY, 1.0)) for batch in forest.batches]
         out_device = inputs["completion_ids"].device
         run = dict(temperature=self.temperature, n_scored=forest.n_scored)
         call = self._dta_parallel.engine_call
@@ -507,7 +513,8 @@ class DTATrainerMixin:
             aux = torch.zeros((), device=device) if self.aux_loss_enabled else None  # a constant of dL/dlogps
             with self._dta_replay(logps, entropies, aux), self._dta_unlogged():
                 loss = self._compute_loss(model, batch)
-            grad_logps, grad_entropies = torch.autograd.grad(loss * scale, (logps, entropies), allow_unused=True)
+            grad_logps, grad_entropies = torch.autograd.grad(loss * (scale * batch.get(ROW_WEIGHT_KEY, 1.0)),
+                                                             (logps, entropies), allow_unused=True)
             grads.append((torch.zeros_like(logps) if grad_logps is None else grad_logps, grad_entropies))
         entropy = any(g is not None for _, g in grads)
 

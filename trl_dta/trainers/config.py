@@ -137,7 +137,8 @@ class DTAArguments:
             "(`gradient_accumulation_steps` a multiple of `steps_per_generation`), the loss does not depend on which "
             "rows a rank holds (not `loss_type='bnpo'`, no entropy bonus, `top_entropy_quantile=1`), and each "
             "process's generation batch holds whole groups (a multiple of `num_generations` rows). Elsewhere ranks "
-            "keep TRL's rows, and a warning says why once."
+            "keep TRL's rows, and a warning says why once. With `dta_sample_layout='per_turn'`, ranks hold any number "
+            "of turn rows and the rule is that layout's (see `dta_sample_layout`)."
         },
     )
     dta_cost_model: str = field(
@@ -161,8 +162,15 @@ class DTAArguments:
             "the same per-turn micro-batches. 'per_turn' keeps every turn (micro-batches of near-equal size instead of "
             "TRL's equal split), and turns instead of episodes are what `grpo`, `sapo`, `luspo`, `bnpo` and `dr_grpo` "
             "average over (`dapo` and `cispo` weigh every policy token as 'episode' does); see "
-            "`trl_dta.trainers.layouts`. With 'per_turn', `dta_group_shuffle` is unavailable and `dta_balance` does "
-            "not apply (each rank keeps its episodes)."
+            "`trl_dta.trainers.layouts`. Any number of processes: ranks hold different numbers of turn rows, and each "
+            "micro-batch is padded to the largest rank's count with rows that carry no loss (and, for the row-mean "
+            "loss types, a factor on each micro-batch's loss undoes the padding's extra rows); with "
+            "`gradient_accumulation_steps` a multiple of `steps_per_generation` the objective is the per-turn "
+            "objective of one process for `dapo`, `cispo`, `vespo`, and for `grpo`, `sapo`, `luspo`, `dr_grpo` "
+            "when the micro-batches are of equal size; elsewhere (`bnpo`, the entropy bonus) a warning says why not once "
+            "(`trl_dta.trainers.micro_batches.per_turn_changes`). With 'per_turn', `dta_group_shuffle` is unavailable, "
+            "and `dta_balance` exchanges whole prompt groups (all turns of a task's episodes) between ranks, by the "
+            "cost of the per-turn forests, where the objective does not depend on the rows' ranks."
         },
     )
 

@@ -51,6 +51,15 @@ Splitting: the number of per-turn rows varies from one generation (and process) 
 `shuffle_sequence_dict`, `steps_per_generation` contiguous micro-batches of `rows // spg` or `rows // spg + 1` rows,
 each trimmed to its own padded width. The same split serves `dta_enabled=True` and `False`, so DTA and TRL's dense path
 train on the same micro-batches.
+
+Several processes: each rank holds its own number of turn rows, but TRL's `_compute_loss` gathers one value per row
+across processes (`clip_ratio/low_min`, `clip_ratio/high_max`), and DDP needs every rank to run every micro-step. So
+micro-batch `k` of every rank is padded with [`pad_rows`] to the largest rank's count of it (and to at least one row):
+rows without loss tokens (`completion_mask` zero, a one-token prompt, zero advantage), whose loss terms and gradients
+are exactly zero and which TRL's token-masked metrics ignore (a row without tokens gives NaN to `masked_seq_mean`,
+which `nanmin`/`nanmax` skip, and nothing to the token sums of `global_masked_mean`). What the padding does to each
+`loss_type`'s normaliser, hence whether the objective is the one-process objective, is `trainers/micro_batches.py`'s
+[`per_turn_changes`] and the README's table.
 """
 
 from __future__ import annotations
@@ -180,7 +189,7 @@ def _trim(batch: dict, pad_to_multiple_of: int | None) -> dict:
     width = batch["completion_ids"].size(1)
     prompt_width = min(_padded_width(int(batch["prompt_mask"].sum(1).max()), pad_to_multiple_of),
                        batch["prompt_ids"].size(1))
-    turn_width = min(_padded_width(int(batch["completion_mask"].sum(1).max()), pad_to_multiple_of), width)
+    turn_width = min(_padded_width(max(int(batch["completion_mask"].sum(1).max()), 1), pad_to_multiple_of), width)
     out = {}
     for key, value in batch.items():
         if key in ("prompt_ids", "prompt_mask"):
@@ -192,36 +201,141 @@ def _trim(batch: dict, pad_to_multiple_of: int | None) -> dict:
     return out
 
 
-def split_rows(batch: dict, num_chunks: int, pad_to_multiple_of: int | None = None) -> list[dict]:
+# Key of a per-turn micro-batch whose value (a float) multiplies its loss: the row-count correction of the row-mean
+# loss types on several processes (`micro_batches.per_turn_buffer`). Absent: 1.
+ROW_WEIGHT_KEY = "dta_row_weight"
+# Key of a padded per-turn micro-batch whose value `(real, total)` counts its real rows and all its rows on all ranks,
+# for the metrics TRL averages over rows (`micro_batches.unpadded_metrics`). Absent: no padding row anywhere.
+ROW_COUNTS_KEY = "dta_row_counts"
+
+
+def split_sizes(rows: int, num_chunks: int) -> list[int]:
+    """Rows of each of `num_chunks` contiguous micro-batches: `rows // num_chunks`, the first `rows % num_chunks` one
+    more."""
+    base, extra = divmod(rows, num_chunks)
+    return [base + (k < extra) for k in range(num_chunks)]
+
+
+def split_sizes_across(counts: list[int], num_chunks: int) -> list[list[int]]:
+    """Per rank, the rows of each of its `num_chunks` micro-batches, such that micro-batch `k` of all ranks together
+    holds `split_sizes(sum(counts), num_chunks)[k]` rows: the sizes one process would cut.
+
+    Rank `r` gives `counts[r] // num_chunks` rows to every micro-batch, and one more to `counts[r] % num_chunks` of
+    them, taken cyclically after those of the ranks before it:
+
+    ```
+    counts 7, 5, num_chunks 3:   rank 0: 3 2 2   (extra at 0)     rank 1: 1 2 2   (extras at 1, 2)   all: 4 4 4
+    ```
+
+    Args:
+        counts (`list[int]`): rows of each rank.
+        num_chunks (`int`): micro-batches per rank.
+    """
+    num_chunks = check_int("num_chunks", num_chunks, minimum=1)
+    out, offset = [], 0
+    for count in counts:
+        base, extra = divmod(count, num_chunks)
+        sizes = [base] * num_chunks
+        for i in range(extra):
+            sizes[(offset + i) % num_chunks] += 1
+        offset = (offset + extra) % num_chunks
+        out.append(sizes)
+    return out
+
+
+def pad_rows(batch: dict, rows: int, token_id: int, pad_token_id: int) -> dict:
+    """Append `rows` rows that carry no loss to a batch of per-turn rows (see the module docstring).
+
+    A padding row is a one-token prompt (`token_id`, e.g. the first token of the batch's prompts, so that it adds no
+    node to the rank's prefix tree) and a completion without any token (`completion_mask` zero, `completion_ids`
+    `pad_token_id`, `tool_mask` one): TRL's loss mask `completion_mask * tool_mask` is zero on it, so every loss term
+    of it is zero whatever the loss type. Its other per-row values are zeros (advantages, old/reference/sampling
+    log-probs), and ones for `importance_sampling_ratio` (neutral).
+
+    Args:
+        batch (`dict`): per-turn rows: `prompt_ids`/`prompt_mask` `(R, P)`, `completion_ids`/`completion_mask`/
+            `tool_mask` `(R, C)`, per-row tensors `(R, ...)`, 0-d tensors.
+        rows (`int`): padding rows to append.
+        token_id (`int`): the padding rows' prompt token.
+        pad_token_id (`int`): the padding id of `prompt_ids` and `completion_ids`.
+
+    Returns:
+        `dict`: `R + rows` rows, widths at least 1; 0-d tensors kept.
+    """
+    rows = check_int("rows", rows, minimum=0)
+    n = num_rows(batch)
+    if rows == 0 and batch["prompt_ids"].size(1) > 0 and batch["completion_ids"].size(1) > 0:
+        return batch
+    width = batch["completion_ids"].size(1)
+    out = {}
+    for key, value in batch.items():
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            out[key] = value
+            continue
+        if value.size(0) != n:
+            raise ValueError(f"`{key}` has {value.size(0)} rows, the batch {n}.")
+        if value.dim() == 2 and value.size(1) == 0:  # an empty batch's zero-width columns: make room for one
+            fill = pad_token_id if key in ("prompt_ids", "completion_ids") else int(key == "tool_mask")
+            value = value.new_full((n, 1), fill)
+        filler = value.new_zeros((rows, *value.shape[1:]))
+        if key in ("prompt_ids", "completion_ids"):
+            filler.fill_(pad_token_id)
+        if key == "prompt_ids":
+            filler[:, -1] = token_id
+        elif key == "prompt_mask":
+            filler[:, -1] = 1
+        elif key == "tool_mask" or key == "importance_sampling_ratio":
+            filler.fill_(1)
+        out[key] = torch.cat([value, filler])
+    if out["completion_ids"].size(1) != max(width, 1):
+        raise ValueError("per-turn rows have completion tensors of different widths.")
+    return out
+
+
+def split_rows(batch: dict, num_chunks: int, pad_to_multiple_of: int | None = None, *,
+               sizes: list[int] | None = None, pad_to: list[int] | None = None, pad_token_id: int = 0) -> list[dict]:
     """Cut a batch of per-turn rows into `num_chunks` micro-batches, keeping every row.
 
     Unlike TRL's `split_tensor_dict`, which cuts `rows // num_chunks` rows per chunk and drops the rest, chunk `k` gets
-    rows `[sum(sizes[:k]), sum(sizes[:k + 1]))` with `sizes[k] = rows // num_chunks + (k < rows % num_chunks)`. Each
-    chunk is trimmed to the widths its own rows need.
+    rows `[sum(sizes[:k]), sum(sizes[:k + 1]))`, by default with `sizes` = [`split_sizes`]. With `pad_to`, chunk `k`
+    is filled up to `pad_to[k]` rows with [`pad_rows`] (rows without loss tokens). Each chunk is trimmed to the widths
+    its own rows need.
 
     Args:
         batch (`dict`): per-turn rows (the output of [`expand_per_turn`], shuffled or not).
         num_chunks (`int`): micro-batches, TRL's `steps_per_generation`.
         pad_to_multiple_of (`int`, *optional*): keep both widths multiples of it.
+        sizes (`list[int]`, *optional*): real rows of each chunk, summing to the batch's rows (the trainer passes
+            [`split_sizes_across`]'s); [`split_sizes`] if None.
+        pad_to (`list[int]`, *optional*): rows of each chunk after padding, each at least 1 and at least `sizes[k]`
+            (the trainer passes the largest rank's sizes). Without it, every chunk must get a row.
+        pad_token_id (`int`, *optional*, defaults to 0): the padding rows' padding id.
 
     Returns:
         `list[dict]`: `num_chunks` micro-batches; 0-d tensors (`num_items_in_batch`) are shared.
     """
     num_chunks = check_int("num_chunks", num_chunks, minimum=1)
     rows = num_rows(batch)
-    if rows < num_chunks:
+    if sizes is None:
+        sizes = split_sizes(rows, num_chunks)
+    elif len(sizes) != num_chunks or sum(sizes) != rows or min(sizes) < 0:
+        raise ValueError(f"`sizes={sizes}` must give {num_chunks} chunk sizes summing to the batch's {rows} rows.")
+    if pad_to is None and min(sizes) == 0:
         raise ValueError(
             f"the per-turn layout has {rows} rows on this process, fewer than `steps_per_generation={num_chunks}` "
             "micro-batches; every process needs at least one row per micro-batch. Lower `steps_per_generation` (or "
             "`gradient_accumulation_steps`), raise `per_device_train_batch_size`, or check the rollouts (an episode "
             "whose completion is masked, e.g. by `mask_truncated_completions`, gives no row)."
         )
-    base, extra = divmod(rows, num_chunks)
+    if pad_to is not None and (len(pad_to) != num_chunks or any(t < max(s, 1) for t, s in zip(pad_to, sizes))):
+        raise ValueError(f"`pad_to={pad_to}` must give {num_chunks} chunk sizes of at least {sizes} (and 1).")
+    token_id = int(batch["prompt_ids"][0][batch["prompt_mask"][0].bool()][0]) if rows else pad_token_id
     chunks, start = [], 0
-    for k in range(num_chunks):
-        size = base + (k < extra)
+    for k, size in enumerate(sizes):
         chunk = {key: value[start:start + size] if isinstance(value, torch.Tensor) and value.dim() > 0 else value
                  for key, value in batch.items()}
+        if pad_to is not None:
+            chunk = pad_rows(chunk, pad_to[k] - size, token_id, pad_token_id)
         chunks.append(_trim(chunk, pad_to_multiple_of))
         start += size
     return chunks
@@ -229,12 +343,19 @@ def split_rows(batch: dict, num_chunks: int, pad_to_multiple_of: int | None = No
 
 def per_turn_micro_batches(batch: dict, num_chunks: int, pad_token_id: int,
                            pad_to_multiple_of: int | None = None) -> list[dict]:
-    """A process's generation batch of episodes -> its `num_chunks` per-turn micro-batches.
+    """A process's generation batch of episodes -> its `num_chunks` per-turn micro-batches (one process).
 
     The episodes are expanded into turn rows ([`expand_per_turn`]), the rows shuffled with TRL's
-    `shuffle_sequence_dict` (the draw TRL makes for its episode rows) and split with [`split_rows`].
+    `shuffle_sequence_dict` (the draw TRL makes for its episode rows) and split with [`split_rows`]. The trainer's
+    version for any number of processes (padding, `dta_balance`) is `micro_batches.per_turn_buffer`.
     """
     from trl.trainer.utils import shuffle_sequence_dict
 
     rows = shuffle_sequence_dict(expand_per_turn(batch, pad_token_id, pad_to_multiple_of))
     return split_rows(rows, num_chunks, pad_to_multiple_of)
+
+
+def episode_of_rows(batch: dict) -> torch.Tensor:
+    """The episode (row of TRL's generation batch) of each row [`expand_per_turn`] makes from `batch`, shape `(R,)`."""
+    spans = turn_spans(batch["completion_mask"] * batch["tool_mask"])
+    return torch.tensor([b for b, turns in enumerate(spans) for _ in turns], dtype=torch.long)

@@ -13,18 +13,52 @@ step's forest, see `step_forest.py`). Two regroupings move rows, and are applied
 Moving rows changes nothing in an update only if every optimizer step still sees the same rows, and the loss of a
 micro-batch is a sum over its rows with constants independent of which other rows share it. [`regrouping_changes`]
 names the settings that break this.
+
+Per-turn rows (`dta_sample_layout="per_turn"`, [`per_turn_buffer`]): each rank expands its episodes into turn rows
+(`layouts.py`), so ranks hold different numbers of rows; micro-batch `k` of every rank is padded to the largest rank's
+count with rows that carry no loss. With `dta_balance`, whole prompt groups of turn rows (a task's `num_generations`
+episodes, all their turns) move between ranks first, chosen on the exact cost of each rank's per-turn forest. Which
+rank holds which row changes nothing in the objective when its normaliser is global (`num_items_in_batch`: `dapo`,
+`cispo`, `vespo`) and every optimizer step spans whole generations. The row-mean loss types (`grpo`, `sapo`,
+`luspo`, `dr_grpo`) count the padding rows; each micro-batch's loss carries the factor [`row_weights`] that undoes
+this, and the ranks' micro-batches together get the sizes one process would cut, so they too are exact when those
+sizes are equal. [`per_turn_changes`] names what breaks this (then `dta_balance` leaves the rows where they are, and
+a warning says so when the counts differ):
+
+```
+rank 0 turn rows: 7 -> micro-batches of 4, 3          padded to 4, 3    (the largest rank's counts)
+rank 1 turn rows: 5 -> micro-batches of 2, 3          padded to 4, 3    ("+": a row without loss tokens)
+                       (all ranks: 6, 6, as 1 process) rank 0: [r r r r] [r r r]    rank 1: [r r + +] [r r r]
+```
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from accelerate.utils import gather_object
-from trl.trainer.utils import split_tensor_dict
+from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
 from .._checks import warn_once
 from ..balance import CostModel, forest_stats, partition
-from ..batch import Layout, group_ids, has_vision_inputs, num_rows, take_rows
+from ..batch import Layout, group_ids, has_vision_inputs, num_rows, sequences, take_rows
 from ..distributed import redistribute
+from .layouts import (
+    ROW_COUNTS_KEY,
+    ROW_WEIGHT_KEY,
+    episode_of_rows,
+    expand_per_turn,
+    pad_rows,
+    split_rows,
+    split_sizes_across,
+)
+
+# Loss types whose normaliser counts the rows of a rank's micro-batch (padding rows included), and the one that
+# counts its loss tokens (padding rows add none, but the count is the rank's own).
+_ROW_NORMALISED = {"grpo": "averages the rows of each micro-batch", "sapo": "averages the rows of each micro-batch",
+                   "luspo": "averages the rows of each micro-batch",
+                   "dr_grpo": "divides by the rows of each micro-batch times max_completion_length"}
 
 
 def regrouping_changes(trainer, across_ranks: bool) -> str | None:
@@ -117,3 +151,204 @@ def balance_ranks(trainer, batch: dict, cost_model: CostModel) -> tuple[dict, to
     metrics["dta/compression_ratio_after_balance"].append(result.compression_after)
     metrics["dta/rank_cost_imbalance"].append(result.imbalance)
     return local, local_groups
+
+
+def per_turn_changes(trainer, total_rows: int | None = None) -> str | None:
+    """Why the per-turn objective on several processes depends on which rank holds which turn rows, or None if it does
+    not (then it is the one-process per-turn objective, and `dta_balance` may move rows).
+
+    Args:
+        trainer (`GRPOTrainer`): the trainer (its `args`, `loss_type` and entropy controls).
+        total_rows (`int`, *optional*): the generation's turn rows on all ranks, when known.
+    """
+    args = trainer.args
+    spg, accumulation = args.steps_per_generation, args.gradient_accumulation_steps
+    entropy_bonus = getattr(trainer, "_entropy_bonus_enabled", False)
+    reasons = []
+    if accumulation % spg:
+        reasons.append(
+            f"one generation feeds several optimizer steps (gradient_accumulation_steps={accumulation} is not a "
+            f"multiple of steps_per_generation={spg}), so each step trains on the rows its micro-batches happen to hold"
+        )
+    loss_type = getattr(trainer, "loss_type", None)
+    if loss_type in _ROW_NORMALISED and not entropy_bonus and spg > 1 and (total_rows is None or total_rows % spg):
+        rows = "an unknown number of" if total_rows is None else f"{total_rows}"
+        reasons.append(f"loss_type='{loss_type}' weighs a row by 1 / (rows of its micro-batch), and {rows} turn rows "
+                       f"do not split into {spg} equal micro-batches, so a row's weight depends on where it goes")
+    if loss_type in _ROW_NORMALISED and entropy_bonus:
+        reasons.append(f"loss_type='{loss_type}' {_ROW_NORMALISED[loss_type]}, and a rank's micro-batch is padded to "
+                       "the largest rank's row count (not corrected with the entropy bonus, which is a token mean)")
+    if loss_type == "bnpo":
+        reasons.append("loss_type='bnpo' divides by the loss tokens of each rank's own micro-batch")
+    if entropy_bonus:
+        reasons.append("the entropy bonus divides by the loss tokens of each rank's own micro-batch")
+    if getattr(trainer, "top_entropy_quantile", 1.0) < 1.0 and spg > 1:
+        reasons.append("top_entropy_quantile < 1 thresholds entropies over each micro-batch of all ranks")
+    return "; ".join(reasons) or None
+
+
+def balance_turn_rows(trainer, episodes: dict, rows: dict, cost_model: CostModel) -> dict:
+    """Exchange whole prompt groups of turn rows between ranks so that each rank's per-turn forest costs the same.
+
+    A group is a task's `num_generations` episodes with all their turns: their system prompt and shared turns stay in
+    one rank's forest. The partition is [`~trl_dta.balance.partition`] over the global forest of turn rows, groups kept
+    whole, any number of rows per rank (the micro-batches are padded afterwards).
+
+    Args:
+        trainer (`GRPOTrainer`): the trainer (accelerator, `num_generations`, metrics).
+        episodes (`dict`): this rank's generation batch of episodes (`n` rows), as TRL's
+            `_generate_and_score_completions` returns it.
+        rows (`dict`): its turn rows ([`~trl_dta.trainers.layouts.expand_per_turn`] of `episodes`).
+        cost_model ([`~trl_dta.balance.CostModel`]): cost of a forest.
+
+    Returns:
+        `dict`: this rank's turn rows after the exchange (unchanged, with a one-time warning, when the episodes do not
+        hold whole groups).
+    """
+    accelerator, size = trainer.accelerator, trainer.num_generations
+    n = num_rows(episodes)
+    if n % size:
+        warn_once(
+            "balance_groups_per_turn",
+            f"dta_balance: each process holds {n} episodes of a generation batch, not a multiple of num_generations="
+            f"{size}, so prompt groups straddle processes and cannot be exchanged whole; ranks keep their turn rows. "
+            "Make `per_device_train_batch_size * steps_per_generation` a multiple of `num_generations`.",
+        )
+        return rows
+    groups = group_ids(accelerator.process_index, n, size)[episode_of_rows(episodes)]  # (R,)
+    seqs = sequences(rows)
+    before = gather_object([(forest_stats(seqs), cost_model.forest_cost(seqs) if seqs else 0.0)])
+    pad = trainer._tokenizer.pad_token_id or 0
+    local, _, result = redistribute(accelerator, rows, groups, pad_token_id=pad, cost_model=cost_model,
+                                    equal_count=False)
+    costs = [cost for _, cost in before]
+    metrics = trainer._metrics["train"]
+    metrics["dta/compression_ratio_before_balance"].append(
+        sum(s.tokens for s, _ in before) / max(sum(s.tree_tokens for s, _ in before), 1)
+    )
+    metrics["dta/compression_ratio_after_balance"].append(result.compression_after)
+    metrics["dta/rank_cost_imbalance_before_balance"].append(max(costs) / (sum(costs) / len(costs) or 1.0))
+    metrics["dta/rank_cost_imbalance"].append(result.imbalance)
+    return local
+
+
+def _row_counts(trainer, rows: dict) -> list[int]:
+    """Turn rows of every rank."""
+    n = num_rows(rows)
+    return gather_object([n]) if trainer.accelerator.num_processes > 1 else [n]
+
+
+def row_weights(trainer, real: list[int], padded: list[int]) -> list[float]:
+    """The factor of each micro-batch's loss that makes a row-mean loss type the one-process objective.
+
+    With `loss_type` `grpo`, `sapo`, `luspo` or `dr_grpo`, TRL divides a rank's micro-batch `k` by its row count,
+    `padded[k]` (padding rows included), and DDP averages the ranks: a row weighs `1 / (processes * padded[k])`. One
+    process would weigh it `1 / real[k]`, `real[k]` being the real rows of micro-batch `k` on all ranks. The factor is
+    `processes * padded[k] / real[k]` (1 for the other loss types, with the entropy bonus, and for a micro-batch
+    without real rows).
+    """
+    processes = trainer.accelerator.num_processes
+    if trainer.loss_type not in _ROW_NORMALISED or getattr(trainer, "_entropy_bonus_enabled", False):
+        return [1.0] * len(padded)
+    return [processes * p / r if r else 1.0 for p, r in zip(padded, real)]
+
+
+def per_turn_buffer(trainer, episodes: dict, balance: bool, cost_model: CostModel | None = None) -> list[dict]:
+    """A generation's `steps_per_generation` per-turn micro-batches on this rank, any number of processes.
+
+    The episodes become turn rows ([`~trl_dta.trainers.layouts.expand_per_turn`]), exchanged between ranks
+    ([`balance_turn_rows`]) when `balance` and [`per_turn_changes`] allow it, shuffled with TRL's
+    `shuffle_sequence_dict`, and cut into micro-batches that keep every row, with the sizes one process would cut
+    ([`~trl_dta.trainers.layouts.split_sizes_across`]); micro-batch `k` is then padded to the largest rank's count of it
+    (at least one row) with rows that carry no loss, and carries the [`row_weights`] factor under
+    `layouts.ROW_WEIGHT_KEY` where it is not 1. Logs `dta/padding_rows` (padding rows of all ranks per generation).
+
+    Args:
+        trainer (`GRPOTrainer`): the trainer.
+        episodes (`dict`): this rank's generation batch of episodes.
+        balance (`bool`): `dta_balance` requested (DTA on, several processes).
+        cost_model ([`~trl_dta.balance.CostModel`], *optional*): cost of a forest, for `balance`.
+    """
+    accelerator, spg = trainer.accelerator, trainer.args.steps_per_generation
+    pad_id, multiple = trainer._tokenizer.pad_token_id or 0, trainer.pad_to_multiple_of
+    rows = expand_per_turn(episodes, pad_id, multiple)
+    counts = _row_counts(trainer, rows)
+    reason = per_turn_changes(trainer, sum(counts))
+    if balance and reason:
+        warn_once("balance_exact_per_turn", "dta_balance: ranks keep their turn rows, because exchanging rows between "
+                  f"them would change the updates here: {reason}.")
+    elif balance:
+        rows = balance_turn_rows(trainer, episodes, rows, cost_model)
+        counts = _row_counts(trainer, rows)
+    rows = shuffle_sequence_dict(rows)
+    every = split_sizes_across(counts, spg)  # (processes, spg)
+    pad_to = [max(*column, 1) for column in zip(*every)]
+    real = [sum(column) for column in zip(*every)]
+    trainer._metrics["train"]["dta/padding_rows"].append(float(sum(pad_to) * len(every) - sum(real)))
+    if reason and len(set(counts)) > 1:
+        warn_once(
+            "per_turn_unequal",
+            f"dta_sample_layout='per_turn': the processes hold different numbers of turn rows ({counts}); each "
+            "micro-batch is padded to the largest rank's count with rows without loss tokens, which leaves the "
+            f"objective the one-process objective only where it does not depend on the rows' ranks. Here it does: "
+            f"{reason}. See the README's per-turn table.",
+        )
+    chunks = split_rows(rows, spg, multiple, sizes=every[accelerator.process_index], pad_to=pad_to,
+                        pad_token_id=pad_id)
+    for chunk, weight, padded, total in zip(chunks, row_weights(trainer, real, pad_to), pad_to, real):
+        if weight != 1.0:
+            chunk[ROW_WEIGHT_KEY] = weight
+        if padded * len(every) != total:
+            chunk[ROW_COUNTS_KEY] = (total, padded * len(every))
+    return chunks
+
+
+def per_turn_eval_rows(trainer, episodes: dict) -> dict:
+    """The turn rows of an evaluation batch, padded to the largest rank's count (TRL's metric gathers need it), with
+    their [`row_weights`] factor."""
+    pad_id, multiple = trainer._tokenizer.pad_token_id or 0, trainer.pad_to_multiple_of
+    rows = expand_per_turn(episodes, pad_id, multiple)
+    counts = _row_counts(trainer, rows)
+    most = max(*counts, 1)
+    if most > num_rows(rows):
+        token = int(rows["prompt_ids"][0][rows["prompt_mask"][0].bool()][0]) if num_rows(rows) else pad_id
+        rows = pad_rows(rows, most - num_rows(rows), token, pad_id)
+    (weight,) = row_weights(trainer, [sum(counts)], [most])
+    if weight != 1.0:
+        rows[ROW_WEIGHT_KEY] = weight
+    if most * len(counts) != sum(counts):
+        rows[ROW_COUNTS_KEY] = (sum(counts), most * len(counts))
+    return rows
+
+
+# TRL's metrics that average one value per sequence over the rows of all ranks (its `global_masked_mean` of a
+# `(B, 1)` tensor: with `importance_sampling_level="sequence"`, and VESPO's weight always), with a padding row's
+# value (no clipping: zero advantage; VESPO's weight of a ratio of 1 is 1).
+_PER_SEQUENCE_METRICS = {"clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": 0.0, "clip_ratio/region_mean": 0.0,
+                         "cispo_clip_ratio": 0.0}
+_ALWAYS_PER_SEQUENCE_METRICS = {"vespo/phi_seq_mean": 1.0}
+
+
+@contextlib.contextmanager
+def unpadded_metrics(trainer, inputs: dict):
+    """Around TRL's `_compute_loss` on a padded per-turn micro-batch: the per-sequence means it logs are corrected to
+    the real rows, `(mean * total - padding * padding_value) / real`, from the micro-batch's `ROW_COUNTS_KEY`.
+
+    TRL's token-level metrics need no correction (a padding row has no token); `clip_ratio/low_min` with
+    sequence-level importance sampling is a minimum over rows, which a padding row's 0 can lower (documented).
+    """
+    counts = inputs.get(ROW_COUNTS_KEY)
+    if counts is None:
+        yield
+        return
+    real, total = counts
+    metrics = trainer._metrics["train" if trainer.model.training else "eval"]
+    fixes = dict(_ALWAYS_PER_SEQUENCE_METRICS)
+    if getattr(trainer, "importance_sampling_level", "token") == "sequence":
+        fixes.update(_PER_SEQUENCE_METRICS)
+    before = {key: len(metrics.get(key, ())) for key in fixes}
+    yield
+    for key, pad_value in fixes.items():
+        values = metrics.get(key, [])
+        for i in range(before[key], len(values)):
+            values[i] = (values[i] * total - (total - real) * pad_value) / real if real else float("nan")
