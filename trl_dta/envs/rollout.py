@@ -325,6 +325,21 @@ def play_episodes(
     return episodes
 
 
+def episode_columns(episodes: Sequence[Episode], **extra: list) -> dict[str, list]:
+    """TRL's `rollout_func` output for played episodes, any domain (the episode layout; DTA's `per_turn` cuts it by
+    turns): prompt / completion ids, sampling log-probs (zeros where the generator gave none), `env_mask`, the turn
+    spans and end reasons, plus the domain's own `extra` columns (its rewards), one value per episode."""
+    return {
+        "prompt_ids": [e.ids[:e.prompt_length] for e in episodes],
+        "completion_ids": [e.ids[e.prompt_length:] for e in episodes],
+        "logprobs": [e.logprobs[e.prompt_length:] if e.logprobs is not None else [0.0] * (len(e.ids) - e.prompt_length)
+                     for e in episodes],
+        "env_mask": [e.env_mask[e.prompt_length:] for e in episodes],
+        **extra,
+        "turn_spans": [[[t.start, t.end] for t in e.turns] for e in episodes],
+        "end_reason": [e.end_reason for e in episodes],
+    }
+
 def _branch(episodes: list[Episode], sessions: list, levels: list[int], branching: list[int], branch_turns: int):
     """Copy every unfinished episode that reached its next branch point (`branch_turns` agent turns per level) into
     the next level's number of children, in place in the depth-first order."""

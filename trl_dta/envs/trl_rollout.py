@@ -32,7 +32,7 @@ from datasets import Dataset
 
 from .._checks import check_bool, check_int
 from .env import RetailDomain
-from .rollout import check_branching, check_copyable, model_generate_fn, play_episodes
+from .rollout import check_branching, check_copyable, episode_columns, model_generate_fn, play_episodes
 
 
 def build_dataset(
@@ -132,16 +132,8 @@ class AgentRolloutFunc:
         metrics = trainer._metrics["train" if trainer.model.training else "eval"]
         metrics["dta/generated_tokens"].append(float(generated[0]))
         metrics["dta/generated_tokens_independent"].append(float(sum(sum(e.env_mask) for e in episodes)))
-        return {
-            "prompt_ids": [e.ids[:e.prompt_length] for e in episodes],
-            "completion_ids": [e.ids[e.prompt_length:] for e in episodes],
-            "logprobs": [e.logprobs[e.prompt_length:] for e in episodes],
-            "env_mask": [e.env_mask[e.prompt_length:] for e in episodes],
-            "episode_reward": [e.reward.reward for e in episodes],
-            "success": [e.reward.success for e in episodes],
-            "turn_spans": [[[t.start, t.end] for t in e.turns] for e in episodes],
-            "end_reason": [e.end_reason for e in episodes],
-        }
+        return episode_columns(episodes, episode_reward=[e.reward.reward for e in episodes],
+                               success=[e.reward.success for e in episodes])
 
 
 def episode_reward(completions: list, episode_reward: list[float], **kwargs) -> list[float]:

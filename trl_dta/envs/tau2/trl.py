@@ -25,6 +25,7 @@ from datasets import Dataset
 
 from ..._checks import check_int
 from ..chat import ChatRenderer
+from ..rollout import episode_columns as rollout_columns
 from ..rollout import model_generate_fn
 from .domain import Tau2Domain
 from .episode import play_tau2_episodes
@@ -104,17 +105,8 @@ class Tau2RolloutFunc:
 
 
 def episode_columns(episodes) -> dict[str, list]:
-    """TRL's `rollout_func` output for played episodes (the episode layout; DTA's `per_turn` cuts it by turns)."""
-    return {
-        "prompt_ids": [e.ids[:e.prompt_length] for e in episodes],
-        "completion_ids": [e.ids[e.prompt_length:] for e in episodes],
-        "logprobs": [e.logprobs[e.prompt_length:] if e.logprobs is not None else [0.0] * (len(e.ids) - e.prompt_length)
-                     for e in episodes],
-        "env_mask": [e.env_mask[e.prompt_length:] for e in episodes],
-        "tau2_reward": [float(e.reward.reward) for e in episodes],
-        "turn_spans": [[[t.start, t.end] for t in e.turns] for e in episodes],
-        "end_reason": [e.end_reason for e in episodes],
-    }
+    """TRL's `rollout_func` output for played tau2 episodes, with tau2's reward of each."""
+    return rollout_columns(episodes, tau2_reward=[float(e.reward.reward) for e in episodes])
 
 
 def tau2_reward(completions: list, tau2_reward: list[float], **kwargs) -> list[float]:
