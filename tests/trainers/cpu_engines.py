@@ -35,6 +35,10 @@ def enable_cpu_engines() -> None:
                 and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"):
             self.fsdp_plugin = fsdp_plugin
         if getattr(self, "fsdp_plugin", None) is not None:
+            if self.distributed_type != DistributedType.FSDP and self._mixed_precision != "no":
+                # As accelerate does for a GPU (state.py ~1015): bf16 gives FSDP2 a MixedPrecisionPolicy with bf16
+                # param, reduce and output dtypes (besides the autocast around the model's forward).
+                self.fsdp_plugin.set_mixed_precision(self._mixed_precision)
             self.distributed_type = DistributedType.FSDP
         plugin = kwargs.get("deepspeed_plugin")
         if (plugin is not None and getattr(self, "deepspeed_plugins", None) is None

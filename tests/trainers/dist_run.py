@@ -24,7 +24,7 @@ import torch
 from accelerate import PartialState
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import PAD, build_tokenizer, make_args  # noqa: E402
+from conftest import LEARNING_RATE, PAD, PRECISIONS, build_tokenizer, make_args  # noqa: E402
 from cpu_engines import CollectiveCounter, assert_fsdp2, enable_cpu_engines  # noqa: E402
 
 GROUPS, G, PROMPT, COMPLETION = 4, 4, (10, 24), (1, 7)
@@ -114,17 +114,27 @@ def main() -> None:
     parser.add_argument("--spg", type=int, default=2, help="steps_per_generation")
     parser.add_argument("--ga", type=int, default=2, help="gradient_accumulation_steps")
     parser.add_argument("--model_dir", required=True)
-    parser.add_argument("--variants", default="", help="comma-separated: trl, dta, dta_layer (overrides --dta)")
+    parser.add_argument("--variants", default="", help="comma-separated: trl, dta, dta_layer (overrides --dta); "
+                        "`name@fp32` / `name@trl`: that variant in that precision")
     parser.add_argument("--expect", default="", help="fsdp2 or deepspeed: assert that this engine really ran")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32", help="make_args's: fp32 or trl (bf16=True)")
+    parser.add_argument("--learning_rate", type=float, default=LEARNING_RATE)
     args = parser.parse_args()
     enable_cpu_engines()
     if not args.variants:
         train_one(args, args.dta, {}, args.out)
         return
-    variants = args.variants.split(",")
+    variants, precision = args.variants.split(","), None
     for variant in variants:
         out = Path(args.out).with_name(f"{Path(args.out).stem}-{variant}.pt")
-        train_one(args, int(variant != "trl"), VARIANTS[variant], out, last=variant == variants[-1])
+        name, _, own = variant.partition("@")  # `trl@fp32`: the variant in another precision than `--precision`
+        if precision is not None and (own or args.precision) != precision:
+            from accelerate.state import AcceleratorState
+
+            AcceleratorState._reset_state()  # accelerate fixes the precision once per state (the gloo group stays)
+        precision = own or args.precision
+        run_args = argparse.Namespace(**{**vars(args), "precision": precision})
+        train_one(run_args, int(name != "trl"), VARIANTS[name], out, last=variant == variants[-1])
 
 
 def train_one(args, dta: int, extra: dict, out, last: bool = True) -> None:
@@ -150,12 +160,14 @@ def train_one(args, dta: int, extra: dict, out, last: bool = True) -> None:
         config_cls,
         Path(out).parent / f"run-{Path(out).stem}",
         args.steps,
+        args.precision,
         per_device_train_batch_size=per_device,
         steps_per_generation=args.spg,
         gradient_accumulation_steps=args.ga,
         num_generations=G,
         max_completion_length=4,
         beta=0.0,  # no reference log-probs (they would belong to the sampled, replaced completions)
+        learning_rate=args.learning_rate,
         **extra,
     )
     peft_config = None
@@ -173,6 +185,7 @@ def train_one(args, dta: int, extra: dict, out, last: bool = True) -> None:
     )
     counter = CollectiveCounter()
     counter.count_training(trainer)
+    probe = PrecisionProbe(trainer)
     state = PartialState()  # initialised by the trainer (use_cpu=True: a gloo group on CPU)
     assert state.num_processes == args.processes, f"expected {args.processes} processes, got {state.num_processes}"
     trainer.train()
@@ -188,12 +201,16 @@ def train_one(args, dta: int, extra: dict, out, last: bool = True) -> None:
     model = trainer.accelerator.unwrap_model(trainer.model)
     groups = list({id(g): g for m in model.modules() if hasattr(m, "_get_fsdp_state")  # a grouped unit: once
                    for g in m._get_fsdp_state()._fsdp_param_groups if g.fsdp_params}.values())
+    ran = probe.result(trainer)
+    assert_precision(ran, args.precision, args.expect)
     counts = {**counter.counts, "groups": len(groups),
               "trainable_groups": sum(any(p.sharded_param.requires_grad for p in g.fsdp_params) for g in groups)}
-    params = {n: full(p) for n, p in model.named_parameters() if p.requires_grad}  # collective under FSDP
+    # Collective under FSDP, and for DeepSpeed's float32 master weights of a bf16 module.
+    params = {n: full(p, trainer.is_deepspeed_enabled) for n, p in model.named_parameters() if p.requires_grad}
     if state.is_main_process:
         logs = [e for e in trainer.state.log_history if "loss" in e]
-        torch.save({"params": params, "logs": logs, "collectives": counts, "steps": args.steps}, out)
+        torch.save({"params": params, "logs": logs, "collectives": counts, "steps": args.steps, "precision": ran},
+                   out)
     if not last:
         state.wait_for_everyone()
         return
@@ -207,12 +224,109 @@ def train_one(args, dta: int, extra: dict, out, last: bool = True) -> None:
         os._exit(0)
 
 
-def full(p: torch.Tensor) -> torch.Tensor:
-    """A parameter's whole value on CPU (an FSDP2 DTensor gathered from its shards)."""
+def full(p: torch.Tensor, deepspeed: bool = False) -> torch.Tensor:
+    """A parameter's whole value on CPU (an FSDP2 DTensor gathered from its shards; under DeepSpeed with a bf16
+    module, the float32 master weight the ZeRO optimizer trains, gathered from its partitions)."""
     from torch.distributed.tensor import DTensor
 
+    if deepspeed and p.dtype != torch.float32:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        master = safe_get_full_fp32_param(p)
+        assert master is not None, "DeepSpeed keeps no float32 master weight of a bf16 parameter"
+        return master.cpu().clone()
     p = p.detach()
     return (p.full_tensor() if isinstance(p, DTensor) else p).cpu().clone()
+
+
+class PrecisionProbe:
+    """What precision really ran in the optimizer steps (`training_step`, generation and scoring excluded): for every
+    `nn.Linear` call, the dtype of the weight it multiplied by, of its output, and whether autocast was on."""
+
+    def __init__(self, trainer):
+        probe, cls = self, type(trainer)
+        self.calls: set[tuple[str, str, bool]] = set()
+        self.active = False
+
+        def hook(module, inputs, output):
+            if probe.active:
+                probe.calls.add((dtype_name(module.weight.dtype), dtype_name(output.dtype),
+                                 torch.is_autocast_enabled(output.device.type)))
+
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        self.handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+        class Probed(cls):
+            def training_step(self, *args, **kwargs):
+                probe.active = True
+                try:
+                    return super().training_step(*args, **kwargs)
+                finally:
+                    probe.active = False
+
+            def _prepare_inputs(self, *args, **kwargs):
+                active, probe.active = probe.active, False
+                try:
+                    return super()._prepare_inputs(*args, **kwargs)
+                finally:
+                    probe.active = active
+
+        trainer.__class__ = Probed
+
+    def result(self, trainer) -> dict:
+        """The calls seen, with accelerate's precision, the stored parameters' dtypes and the engine's own setting
+        (FSDP2's `MixedPrecisionPolicy`, DeepSpeed's bf16 section)."""
+        for handle in self.handles:
+            handle.remove()
+        accelerator = trainer.accelerator
+        model = accelerator.unwrap_model(trainer.model)
+        ran = {
+            "calls": sorted(self.calls),
+            "mixed_precision": accelerator.mixed_precision,
+            "native_amp": accelerator.native_amp,
+            "stored": sorted({dtype_name(p.dtype) for p in model.parameters() if p.requires_grad}),
+        }
+        plugin = getattr(accelerator.state, "fsdp_plugin", None)
+        policy = getattr(plugin, "mixed_precision_policy", None) if accelerator.is_fsdp2 else None
+        if policy is not None:
+            ran["fsdp_param_dtype"] = dtype_name(policy.param_dtype)
+            ran["fsdp_reduce_dtype"] = dtype_name(policy.reduce_dtype)
+        if trainer.is_deepspeed_enabled:
+            ran["deepspeed_bf16"] = bool(trainer.model_wrapped.bfloat16_enabled())
+        return ran
+
+
+def dtype_name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+# What each engine runs under TRL's default `bf16=True` (accelerate's mapping): (weight dtype in the matmuls, stored
+# trainable dtype). DDP: autocast over float32 weights. FSDP2: autocast, and FSDP2's MixedPrecisionPolicy gathers the
+# float32 shards into bfloat16 parameters. DeepSpeed: no autocast, the module cast to bfloat16 (float32 master weights
+# in the ZeRO optimizer).
+BF16_RUNS = {
+    "": ("float32", "float32", True),
+    "fsdp2": ("bfloat16", "float32", True),
+    "deepspeed": ("bfloat16", "bfloat16", False),
+}
+
+
+def assert_precision(ran: dict, precision: str, expect: str) -> None:
+    """The optimizer steps ran in `precision` as accelerate maps it for the engine, so that a silent float32 run (or a
+    bf16 one where float32 was asked for) cannot pass."""
+    assert ran["calls"], "no nn.Linear ran in the optimizer steps"
+    if precision == "fp32":
+        assert ran["calls"] == [("float32", "float32", False)], ran
+        assert ran["mixed_precision"] == "no" and ran["stored"] == ["float32"], ran
+        return
+    weight, stored, autocast = BF16_RUNS[expect]
+    assert ran["mixed_precision"] == "bf16" and ran["native_amp"] == autocast, ran
+    assert ran["calls"] == [(weight, "bfloat16", autocast)], ran
+    assert ran["stored"] == [stored], ran
+    if expect == "fsdp2":
+        assert ran["fsdp_param_dtype"] == ran["fsdp_reduce_dtype"] == "bfloat16", ran
+    if expect == "deepspeed":
+        assert ran["deepspeed_bf16"], ran
 
 
 def assert_deepspeed(trainer) -> None:
