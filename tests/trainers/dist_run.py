@@ -188,6 +188,7 @@ def train_one(args, dta: int, extra: dict, out, last: bool = True) -> None:
     probe = PrecisionProbe(trainer)
     state = PartialState()  # initialised by the trainer (use_cpu=True: a gloo group on CPU)
     assert state.num_processes == args.processes, f"expected {args.processes} processes, got {state.num_processes}"
+    initial = {n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()
     if dta and args.cost_model == "fit":
         model = trainer._dta_cost_model
@@ -209,8 +210,8 @@ def train_one(args, dta: int, extra: dict, out, last: bool = True) -> None:
     params = {n: full(p, trainer.is_deepspeed_enabled) for n, p in model.named_parameters() if p.requires_grad}
     if state.is_main_process:
         logs = [e for e in trainer.state.log_history if "loss" in e]
-        torch.save({"params": params, "logs": logs, "collectives": counts, "steps": args.steps, "precision": ran},
-                   out)
+        torch.save({"params": params, "logs": logs, "collectives": counts, "steps": args.steps, "precision": ran,
+                    "initial": initial}, out)
     if not last:
         state.wait_for_everyone()
         return

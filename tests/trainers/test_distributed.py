@@ -13,11 +13,12 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from .conftest import build_model, build_tokenizer
+from .conftest import BF16_LEARNING_RATE_FACTOR, LEARNING_RATE, Run, assert_bf16_bar, build_model, build_tokenizer
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 SCRIPT = Path(__file__).with_name("dist_run.py")
@@ -51,6 +52,8 @@ def run(out: Path, model_dir: str, processes: int, **flags) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    if "variants" in flags:  # one launch, several runs: `<out stem>-<variant>.pt` each
+        return {v: torch.load(out.with_name(f"{out.stem}-{v}.pt")) for v in flags["variants"].split(",")}
     return torch.load(out)
 
 
@@ -71,6 +74,47 @@ def compare(ref: dict, dta: dict, initial: dict, rtol: float = 1e-5) -> float:
     for r, d in zip(ref["logs"], dta["logs"], strict=True):
         assert d["loss"] == pytest.approx(r["loss"], rel=1e-5, abs=1e-6)
     return worst
+
+
+# The bf16 comparisons' launches: TRL's trainer in float32, then TRL's and DTA's under TRL's default precision, all at
+# the "trl" regime's learning rate (`conftest.compare_in_precision`).
+BF16_RUNS = {"precision": "trl", "learning_rate": LEARNING_RATE * BF16_LEARNING_RATE_FACTOR}
+
+
+def as_run(saved: dict) -> Run:
+    """A launched run as `conftest.Run`, for `assert_bf16_bar`. The rows trained are the fixed global batch in every
+    run (`dist_run.with_fixed_batch`), hence no completions to compare. A module DeepSpeed cast to bf16 trains float32
+    master weights initialised from the bf16 weights: its update starts from those."""
+    initial = saved["initial"]
+    if saved["precision"]["stored"] == ["bfloat16"]:
+        initial = {n: p.to(torch.bfloat16).float() for n, p in initial.items()}
+    rates = {log["learning_rate"] for log in saved["logs"]}
+    assert len(rates) == 1, rates
+    trainer = SimpleNamespace(args=SimpleNamespace(learning_rate=rates.pop()))  # what the bar reads of a trainer
+    return Run(trainer, saved["logs"], [], initial, saved["params"], saved["precision"]["mixed_precision"])
+
+
+def assert_bf16_runs(runs: dict) -> dict[str, dict[str, float]]:
+    """Every DTA run of a launch (`dta*`, bf16) against TRL's bf16 (`trl`) and float32 (`trl@fp32`) runs by the bf16
+    bar; the launch asserted in each run what precision really ran (`dist_run.assert_precision`). Returns the gaps per
+    DTA variant."""
+    assert runs["trl@fp32"]["logs"][0]["learning_rate"] == pytest.approx(BF16_RUNS["learning_rate"])
+    gaps = {}
+    for variant, saved in runs.items():
+        if variant.startswith("dta"):
+            assert all(log["dta/dense_fallback"] == 0.0 for log in saved["logs"])
+            assert any("dta/tree_tokens" in log for log in saved["logs"]), "no micro-batch ran through DTA"
+            gaps[variant] = assert_bf16_bar(as_run(runs["trl"]), as_run(runs["trl@fp32"]), as_run(saved))
+    assert gaps, "no DTA run in the launch"
+    return gaps
+
+
+def test_bf16_two_processes_within_trls_bf16_error(tmp_path, model_dir):
+    """DDP (MULTI_CPU) under TRL's default `bf16=True`: bf16 autocast over the float32 replicas; DTA's update (packed
+    rows, and every segment its own engine call) as close to TRL's float32 update as TRL's own bf16 update, the runs in
+    one launch."""
+    runs = run(tmp_path / "run.pt", model_dir, 2, trainer="grpo", variants="trl@fp32,trl,dta,dta_walk", **BF16_RUNS)
+    assert_bf16_runs(runs)
 
 
 @pytest.mark.parametrize("trainer", ["grpo", "rloo"])

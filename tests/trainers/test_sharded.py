@@ -16,7 +16,8 @@ import sys
 import pytest
 import torch
 
-from .test_distributed import ROOT, SCRIPT, compare, free_port, model_dir  # noqa: F401  (model_dir: a fixture)
+from .test_distributed import BF16_RUNS, ROOT, SCRIPT, assert_bf16_runs, compare, free_port
+from .test_distributed import model_dir  # noqa: F401  (a fixture)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -78,6 +79,22 @@ def test_zero_matches_trl_under_zero(tmp_path, model_dir, stage, trainer, peft):
     runs = launch(tmp_path, model_dir, zero(stage), "trl,dta", "deepspeed", trainer=trainer, peft=peft, steps=3)
     compare(runs["trl"], runs["dta"], initial_values(model_dir, runs, peft))
     assert all(log["dta/dense_fallback"] == 0.0 for log in runs["dta"]["logs"])
+
+
+@pytest.mark.parametrize(("engine", "trainer", "peft", "variants"), [
+    ("fsdp2", "grpo", 0, "trl@fp32,trl,dta,dta_walk"),
+    ("fsdp2", "grpo", 1, "trl@fp32,trl,dta"),
+    ("deepspeed", "grpo", 0, "trl@fp32,trl,dta"),
+    ("deepspeed", "rloo", 1, "trl@fp32,trl,dta"),
+], ids=["fsdp2-grpo-full", "fsdp2-grpo-lora", "zero2-grpo-full", "zero2-rloo-lora"])
+def test_bf16_within_trls_bf16_error_under_the_engine(tmp_path, model_dir, engine, trainer, peft, variants):
+    """TRL's default `bf16=True` under FSDP2 and ZeRO-2, as accelerate maps it: FSDP2 runs bf16 autocast and gathers
+    its float32 shards as bf16 parameters (a `MixedPrecisionPolicy` with bf16 param and reduce dtypes); DeepSpeed casts
+    the module to bf16 (no autocast) and steps float32 master weights. DTA's update is as close to TRL's float32 update
+    (same engine) as TRL's own bf16 update; each run asserted the dtypes its optimizer steps ran in."""
+    flags = {"fsdp2": FSDP2, "deepspeed": zero(2)}[engine]
+    runs = launch(tmp_path, model_dir, flags, variants, engine, trainer=trainer, peft=peft, **BF16_RUNS)
+    assert_bf16_runs(runs)
 
 
 REFUSE_SCRIPT = SCRIPT.with_name("refuse_run.py")
