@@ -5,8 +5,9 @@ around `accelerate/state.py:986-1013`: MULTI_CPU is not in the list), so on CPU 
 and it takes DeepSpeed only when `cpu=False`, which on a machine without GPU leaves no backend at all (one process).
 [`enable_cpu_engines`] applies the same upgrades for MULTI_CPU (a gloo group, `use_cpu=True`) when FSDP or DeepSpeed
 was asked for (`ACCELERATE_USE_FSDP` / `ACCELERATE_USE_DEEPSPEED`, or a plugin passed in code):
-`torch.distributed.fsdp.fully_shard` then really shards the model over gloo (DTensor parameters), and DeepSpeed (with
-`DS_ACCELERATOR=cpu`) really wraps it in its engine. The scripts assert that they did ([`assert_fsdp2`],
+`torch.distributed.fsdp.fully_shard` then really shards the model over gloo (DTensor parameters, with bf16 the
+`MixedPrecisionPolicy` accelerate sets for a GPU), and DeepSpeed (with `DS_ACCELERATOR=cpu`) really wraps it in its
+engine. The scripts assert that they did ([`assert_fsdp2`],
 `dist_run.assert_deepspeed`), so that a silent fall-back to DDP can never pass.
 """
 

@@ -10,6 +10,10 @@ Under FSDP (`accelerate launch --use_fsdp --fsdp_version 2 ...`) the CPU upgrade
 real; `--variants` then trains several configurations one after the other in one launch (`VARIANTS`: TRL's trainer,
 DTA's defaults, DTA walking every segment), each from the saved model, into `<out stem>-<variant>.pt`.
 
+`--precision` is `make_args`'s (`fp32`: `bf16=False`; `trl`: TRL's default `bf16=True`), `name@fp32` a variant in the
+other precision (accelerate's state is reset in between); every run records and asserts the dtypes its optimizer steps
+really ran in (`PrecisionProbe`, `assert_precision`: accelerate maps bf16 differently per engine).
+
     accelerate launch --multi_gpu --num_processes 2 tests/trainers/dist_run.py --out a.pt --trainer grpo --dta 1
 """
 
