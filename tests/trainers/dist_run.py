@@ -34,7 +34,33 @@ VARIANTS = {
     "trl": {},
     "dta": {},
     "dta_walk": {"dta_max_pack_tokens": 0},
+    # FSDP2's per-layer schedule; `_small`: batches of at most 48 padded tokens, so that the ranks' forests need
+    # different numbers of batches and the lockstep pads with idle ones.
+    "dta_layer": {"dta_fsdp_schedule": "layer"},
+    "dta_layer_small": {"dta_fsdp_schedule": "layer", "dta_max_batch_tokens": 48},
 }
+
+
+class EngineCalls:
+    """Every engine call's stats on this rank (`DTAEngine._call` wrapped, the real call unchanged): whether it
+    trained, and its counters."""
+
+    def __init__(self):
+        from trl_dta.engine.core import DTAEngine
+
+        self.calls: list[dict] = []
+        self._cls, self._original = DTAEngine, DTAEngine._call
+        calls, original = self.calls, self._original
+
+        def _call(engine, seqs, loss_fn, *args, **kwargs):
+            out = original(engine, seqs, loss_fn, *args, **kwargs)
+            calls.append({"train": loss_fn is not None, **{k: v for k, v in out.stats.items() if k != "seconds"}})
+            return out
+
+        DTAEngine._call = _call
+
+    def close(self) -> None:
+        self._cls._call = self._original
 
 
 def fixed_batch(vocab: int, device) -> dict:
@@ -114,7 +140,7 @@ def main() -> None:
     parser.add_argument("--spg", type=int, default=2, help="steps_per_generation")
     parser.add_argument("--ga", type=int, default=2, help="gradient_accumulation_steps")
     parser.add_argument("--model_dir", required=True)
-    parser.add_argument("--variants", default="", help="comma-separated: trl, dta, dta_layer (overrides --dta)")
+    parser.add_argument("--variants", default="", help=f"comma-separated, of {list(VARIANTS)} (overrides --dta)")
     parser.add_argument("--expect", default="", help="fsdp2 or deepspeed: assert that this engine really ran")
     args = parser.parse_args()
     enable_cpu_engines()
@@ -173,9 +199,13 @@ def train_one(args, dta: int, extra: dict, out, last: bool = True) -> None:
     )
     counter = CollectiveCounter()
     counter.count_training(trainer)
+    engine_calls = EngineCalls()
     state = PartialState()  # initialised by the trainer (use_cpu=True: a gloo group on CPU)
     assert state.num_processes == args.processes, f"expected {args.processes} processes, got {state.num_processes}"
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        engine_calls.close()
     if dta and args.cost_model == "fit":
         model = trainer._dta_cost_model
         assert model.fixed_cost > 0 or model.token_cost != 1.0, f"the cost model was not refitted: {model}"
@@ -188,12 +218,23 @@ def train_one(args, dta: int, extra: dict, out, last: bool = True) -> None:
     model = trainer.accelerator.unwrap_model(trainer.model)
     groups = list({id(g): g for m in model.modules() if hasattr(m, "_get_fsdp_state")  # a grouped unit: once
                    for g in m._get_fsdp_state()._fsdp_param_groups if g.fsdp_params}.values())
+    from trl_dta.parallel.fsdp2 import decoder_layers
+
+    layers = decoder_layers(model)
+    layer_groups = [g for m in model.modules() if id(m) in layers for g in m._get_fsdp_state()._fsdp_param_groups]
     counts = {**counter.counts, "groups": len(groups),
-              "trainable_groups": sum(any(p.sharded_param.requires_grad for p in g.fsdp_params) for g in groups)}
+              "trainable_groups": sum(any(p.sharded_param.requires_grad for p in g.fsdp_params) for g in groups),
+              "layer_groups": len(layer_groups),
+              "trainable_layer_groups": sum(any(p.sharded_param.requires_grad for p in g.fsdp_params)
+                                            for g in layer_groups)}
+    from accelerate.utils import gather_object
+
+    engine_calls_per_rank = gather_object([engine_calls.calls])  # collective: every rank's list
     params = {n: full(p) for n, p in model.named_parameters() if p.requires_grad}  # collective under FSDP
     if state.is_main_process:
         logs = [e for e in trainer.state.log_history if "loss" in e]
-        torch.save({"params": params, "logs": logs, "collectives": counts, "steps": args.steps}, out)
+        torch.save({"params": params, "logs": logs, "collectives": counts, "steps": args.steps,
+                    "engine_calls": engine_calls_per_rank}, out)
     if not last:
         state.wait_for_everyone()
         return

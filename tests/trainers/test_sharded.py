@@ -51,11 +51,40 @@ def initial_values(model_dir: str, runs: dict, peft: int) -> dict:
     return {n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(model_dir).named_parameters()}
 
 
+def assert_window_collectives(run: dict, trl: dict) -> None:
+    """The `"window"` schedule: one all-gather per group and one reduce-scatter per trainable group per step."""
+    counts, steps = run["collectives"], run["steps"]
+    assert counts["all_gather"] == counts["groups"] * steps, counts
+    assert counts["reduce_scatter"] == counts["trainable_groups"] * steps, counts
+    assert counts["all_gather"] < trl["collectives"]["all_gather"]
+
+
+def assert_layer_collectives(run: dict) -> int:
+    """The `"layer"` schedule: the ranks' engine calls made the same number of forwards (lockstep), and the step's
+    collectives are the held groups' one each plus every decoder layer's per batch forward and backward
+    (`parallel/fsdp2.py`). Returns the idle batches the ranks ran."""
+    calls = run["engine_calls"]  # per rank, every engine call's stats, in order
+    assert len(calls) == 2 and len(calls[0]) == len(calls[1]) > 0
+    for mine, theirs in zip(*calls):
+        assert mine["train"] == theirs["train"] and mine["forwards"] == theirs["forwards"], (mine, theirs)
+    batches = sum(c["forwards"] for c in calls[0] if c["train"])
+    counts, steps = run["collectives"], run["steps"]
+    held, held_trainable = counts["groups"] - counts["layer_groups"], \
+        counts["trainable_groups"] - counts["trainable_layer_groups"]
+    assert counts["layer_groups"] > 0 and batches >= steps
+    assert counts["all_gather"] == held * steps + 2 * counts["layer_groups"] * batches, (counts, batches)
+    assert counts["reduce_scatter"] == held_trainable * steps + counts["trainable_layer_groups"] * batches, \
+        (counts, batches)
+    return sum(c["idle_batches"] for rank in calls for c in rank)
+
+
+# `dta_walk`: every segment its own engine call; `dta_layer*`: FSDP2's per-layer schedule (`_small`: several batches
+# per step, unequal across ranks, so that the lockstep runs idle batches).
 @pytest.mark.parametrize(("trainer", "peft", "variants"), [
-    ("grpo", 0, "trl,dta,dta_walk"),
+    ("grpo", 0, "trl,dta,dta_walk,dta_layer_small"),
     ("grpo", 1, "trl,dta"),
     ("rloo", 0, "trl,dta"),
-    ("rloo", 1, "trl,dta"),
+    ("rloo", 1, "trl,dta,dta_layer"),
 ], ids=["grpo-full", "grpo-lora", "rloo-full", "rloo-lora"])
 def test_fsdp2_matches_trl_under_fsdp2(tmp_path, model_dir, trainer, peft, variants):
     runs = launch(tmp_path, model_dir, FSDP2, variants, "fsdp2", trainer=trainer, peft=peft, steps=3)
@@ -64,10 +93,12 @@ def test_fsdp2_matches_trl_under_fsdp2(tmp_path, model_dir, trainer, peft, varia
         run = runs[variant]
         assert compare(runs["trl"], run, initial) <= 1e-4
         assert all(log["dta/dense_fallback"] == 0.0 for log in run["logs"])
-        counts, steps = run["collectives"], run["steps"]
-        assert counts["all_gather"] == counts["groups"] * steps, counts
-        assert counts["reduce_scatter"] == counts["trainable_groups"] * steps, counts
-        assert counts["all_gather"] < runs["trl"]["collectives"]["all_gather"]
+        if variant.startswith("dta_layer"):
+            idle = assert_layer_collectives(run)
+            if variant.endswith("_small"):
+                assert idle > 0, "the ranks' forests needed equal batch counts: the lockstep was not exercised"
+        else:
+            assert_window_collectives(run, runs["trl"])
     if "dta_walk" in runs:  # every segment its own engine call: many more forward/backward calls, same collectives
         assert runs["dta_walk"]["collectives"] == runs["dta"]["collectives"]
 
