@@ -43,7 +43,7 @@ VARIANTS = {
 
 class EngineCalls:
     """Every engine call's stats on this rank (`DTAEngine._call` wrapped, the real call unchanged): whether it
-    trained, and its counters."""
+    trained, whether it ran in lockstep with the other ranks, and its counters."""
 
     def __init__(self):
         from trl_dta.engine.core import DTAEngine
@@ -54,7 +54,8 @@ class EngineCalls:
 
         def _call(engine, seqs, loss_fn, *args, **kwargs):
             out = original(engine, seqs, loss_fn, *args, **kwargs)
-            calls.append({"train": loss_fn is not None, **{k: v for k, v in out.stats.items() if k != "seconds"}})
+            calls.append({"train": loss_fn is not None, "lockstep": engine.lockstep is not None,
+                          **{k: v for k, v in out.stats.items() if k != "seconds"}})
             return out
 
         DTAEngine._call = _call
@@ -121,11 +122,30 @@ def with_fixed_batch(cls):
                 if "old_per_token_logps" in old_keys:
                     out["old_per_token_logps"] = per_token
                 fixed = {**fixed, **dict.fromkeys(old_keys)}
+            if out.get("ref_per_token_logps") is not None:  # GRPO with beta > 0: the reference's, as TRL scores it
+                out["ref_per_token_logps"] = reference_logps(self, out)
+                fixed = {**fixed, "ref_per_token_logps": None}
             stale = [k for k, v in out.items() if k not in fixed and isinstance(v, torch.Tensor)]
             assert not stale, f"entries computed from the sampled completions would be stale: {stale}"
             return out
 
     return Fixed
+
+
+def reference_logps(trainer, out: dict) -> torch.Tensor:
+    """The reference model's per-token log-probs of `out`'s completions, through the trainer's scoring hook as TRL's
+    `_generate_and_score_completions` computes them (its reference model, or the policy with the adapter off)."""
+    from trl.trainer.utils import use_adapter
+
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+    mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+    keep = out["completion_ids"].size(1)
+    with torch.no_grad():
+        if trainer.ref_model is not None:
+            return trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, mask, keep)[0]
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
+            return trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, keep)[0]
 
 
 def main() -> None:
@@ -135,6 +155,7 @@ def main() -> None:
     parser.add_argument("--dta", type=int, default=1)
     parser.add_argument("--peft", type=int, default=0)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--beta", type=float, default=0.0, help="KL coefficient (a reference model when > 0)")
     parser.add_argument("--processes", type=int, required=True)
     parser.add_argument("--cost_model", default="default")
     parser.add_argument("--spg", type=int, default=2, help="steps_per_generation")
@@ -181,7 +202,7 @@ def train_one(args, dta: int, extra: dict, out, last: bool = True) -> None:
         gradient_accumulation_steps=args.ga,
         num_generations=G,
         max_completion_length=4,
-        beta=0.0,  # no reference log-probs (they would belong to the sampled, replaced completions)
+        beta=args.beta,  # > 0: reference log-probs recomputed for the fixed completions (`reference_logps`)
         **extra,
     )
     peft_config = None

@@ -60,13 +60,17 @@ def assert_window_collectives(run: dict, trl: dict) -> None:
 
 
 def assert_layer_collectives(run: dict) -> int:
-    """The `"layer"` schedule: the ranks' engine calls made the same number of forwards (lockstep), and the step's
+    """The `"layer"` schedule: the policy's engine calls ran in lockstep and made the same number of forwards on both
+    ranks (a reference model, one FSDP group, is gathered whole for its calls: no lockstep), and the step's
     collectives are the held groups' one each plus every decoder layer's per batch forward and backward
     (`parallel/fsdp2.py`). Returns the idle batches the ranks ran."""
     calls = run["engine_calls"]  # per rank, every engine call's stats, in order
     assert len(calls) == 2 and len(calls[0]) == len(calls[1]) > 0
+    assert all(c["lockstep"] for rank in calls for c in rank if c["train"])
     for mine, theirs in zip(*calls):
-        assert mine["train"] == theirs["train"] and mine["forwards"] == theirs["forwards"], (mine, theirs)
+        assert (mine["train"], mine["lockstep"]) == (theirs["train"], theirs["lockstep"]), (mine, theirs)
+        if mine["lockstep"]:
+            assert mine["forwards"] == theirs["forwards"], (mine, theirs)
     batches = sum(c["forwards"] for c in calls[0] if c["train"])
     counts, steps = run["collectives"], run["steps"]
     held, held_trainable = counts["groups"] - counts["layer_groups"], \
@@ -75,19 +79,21 @@ def assert_layer_collectives(run: dict) -> int:
     assert counts["all_gather"] == held * steps + 2 * counts["layer_groups"] * batches, (counts, batches)
     assert counts["reduce_scatter"] == held_trainable * steps + counts["trainable_layer_groups"] * batches, \
         (counts, batches)
-    return sum(c["idle_batches"] for rank in calls for c in rank)
+    return sum(c["idle_batches"] for rank in calls for c in rank if c["lockstep"])
 
 
 # `dta_walk`: every segment its own engine call; `dta_layer*`: FSDP2's per-layer schedule (`_small`: several batches
-# per step, unequal across ranks, so that the lockstep runs idle batches).
-@pytest.mark.parametrize(("trainer", "peft", "variants"), [
-    ("grpo", 0, "trl,dta,dta_walk,dta_layer_small"),
-    ("grpo", 1, "trl,dta"),
-    ("rloo", 0, "trl,dta"),
-    ("rloo", 1, "trl,dta,dta_layer"),
-], ids=["grpo-full", "grpo-lora", "rloo-full", "rloo-lora"])
-def test_fsdp2_matches_trl_under_fsdp2(tmp_path, model_dir, trainer, peft, variants):
-    runs = launch(tmp_path, model_dir, FSDP2, variants, "fsdp2", trainer=trainer, peft=peft, steps=3)
+# per step, unequal across ranks, so that the lockstep runs idle batches). `beta`: a reference model scored under
+# FSDP2 (TRL shards it as one group): GRPO's KL term in the loss (with the fixed batch's reference log-probs), RLOO's
+# default in its rewards (replaced by the fixed advantages: the scoring runs, its values do not reach the loss).
+@pytest.mark.parametrize(("trainer", "peft", "beta", "variants"), [
+    ("grpo", 0, 0.04, "trl,dta,dta_walk,dta_layer_small"),
+    ("grpo", 1, 0.0, "trl,dta"),
+    ("rloo", 0, 0.0, "trl,dta"),
+    ("rloo", 1, 0.05, "trl,dta,dta_layer_small"),
+], ids=["grpo-full-beta", "grpo-lora", "rloo-full", "rloo-lora-beta"])
+def test_fsdp2_matches_trl_under_fsdp2(tmp_path, model_dir, trainer, peft, beta, variants):
+    runs = launch(tmp_path, model_dir, FSDP2, variants, "fsdp2", trainer=trainer, peft=peft, beta=beta, steps=3)
     initial = initial_values(model_dir, runs, peft)
     for variant in variants.split(",")[1:]:
         run = runs[variant]
