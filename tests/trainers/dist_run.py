@@ -28,6 +28,7 @@ from conftest import PAD, build_tokenizer, make_args  # noqa: E402
 from cpu_engines import CollectiveCounter, assert_fsdp2, enable_cpu_engines  # noqa: E402
 
 GROUPS, G, PROMPT, COMPLETION = 4, 4, (10, 24), (1, 7)
+SPLIT_COMPRESSION = 3.2  # between the two ranks' forest compressions on the fixed batch (`dta_layer_split`)
 # `--variants`: the `dta_*` settings of each (`trl`: TRL's trainer). `_walk`: every segment its own engine call
 # (`dta_max_pack_tokens=0`), so that a step runs many forward and backward calls.
 VARIANTS = {
@@ -38,6 +39,9 @@ VARIANTS = {
     # different numbers of batches and the lockstep pads with idle ones.
     "dta_layer": {"dta_fsdp_schedule": "layer"},
     "dta_layer_small": {"dta_fsdp_schedule": "layer", "dta_max_batch_tokens": 48},
+    # The fixed batch's forests compress 3.31x on rank 0 and 3.08x on rank 1: alone, rank 0 would run DTA and rank 1
+    # TRL's dense path; the per-layer schedule has both agree (both dense), or their layers' collectives would not pair.
+    "dta_layer_split": {"dta_fsdp_schedule": "layer", "dta_min_compression": SPLIT_COMPRESSION},
 }
 
 
@@ -255,7 +259,7 @@ def train_one(args, dta: int, extra: dict, out, last: bool = True) -> None:
     if state.is_main_process:
         logs = [e for e in trainer.state.log_history if "loss" in e]
         torch.save({"params": params, "logs": logs, "collectives": counts, "steps": args.steps,
-                    "engine_calls": engine_calls_per_rank}, out)
+                    "engine_calls": engine_calls_per_rank, "settings": extra}, out)
     if not last:
         state.wait_for_everyone()
         return

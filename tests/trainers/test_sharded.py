@@ -82,12 +82,25 @@ def assert_layer_collectives(run: dict) -> int:
     return sum(c["idle_batches"] for rank in calls for c in rank if c["lockstep"])
 
 
+def assert_dense_agreed(runs: dict) -> None:
+    """`dta_layer_split`: the ranks' forests compress on either side of `dta_min_compression` (measured by another
+    variant's training calls), and both ranks took TRL's dense path: rank 0, whose forest alone would run DTA, too."""
+    split = runs["dta_layer_split"]["settings"]["dta_min_compression"]
+    ratios = [{c["compression_ratio"] for c in rank if c["train"]} for rank in runs["dta_layer_small"]["engine_calls"]]
+    assert all(len(r) == 1 for r in ratios), ratios
+    (rank0,), (rank1,) = ratios
+    assert rank1 < split < rank0, (rank0, split, rank1)
+    run = runs["dta_layer_split"]
+    assert not any(c["train"] for rank in run["engine_calls"] for c in rank)
+    assert all(log["dta/dense_fallback"] == 1.0 for log in run["logs"])  # rank 0's logs
+
+
 # `dta_walk`: every segment its own engine call; `dta_layer*`: FSDP2's per-layer schedule (`_small`: several batches
 # per step, unequal across ranks, so that the lockstep runs idle batches). `beta`: a reference model scored under
 # FSDP2 (TRL shards it as one group): GRPO's KL term in the loss (with the fixed batch's reference log-probs), RLOO's
 # default in its rewards (replaced by the fixed advantages: the scoring runs, its values do not reach the loss).
 @pytest.mark.parametrize(("trainer", "peft", "beta", "variants"), [
-    ("grpo", 0, 0.04, "trl,dta,dta_walk,dta_layer_small"),
+    ("grpo", 0, 0.04, "trl,dta,dta_walk,dta_layer_small,dta_layer_split"),
     ("grpo", 1, 0.0, "trl,dta"),
     ("rloo", 0, 0.0, "trl,dta"),
     ("rloo", 1, 0.05, "trl,dta,dta_layer_small"),
@@ -98,6 +111,9 @@ def test_fsdp2_matches_trl_under_fsdp2(tmp_path, model_dir, trainer, peft, beta,
     for variant in variants.split(",")[1:]:
         run = runs[variant]
         assert compare(runs["trl"], run, initial) <= 1e-4
+        if variant == "dta_layer_split":
+            assert_dense_agreed(runs)
+            continue
         assert all(log["dta/dense_fallback"] == 0.0 for log in run["logs"])
         if variant.startswith("dta_layer"):
             idle = assert_layer_collectives(run)
