@@ -119,6 +119,7 @@ def test_fsdp2_matches_trl_under_fsdp2(tmp_path, model_dir, trainer, peft, beta,
             idle = assert_layer_collectives(run)
             if variant.endswith("_small"):
                 assert idle > 0, "the ranks' forests needed equal batch counts: the lockstep was not exercised"
+            assert all("dta/idle_batches" in log for log in run["logs"])
         else:
             assert_window_collectives(run, runs["trl"])
     if "dta_walk" in runs:  # every segment its own engine call: many more forward/backward calls, same collectives

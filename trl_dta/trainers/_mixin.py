@@ -119,6 +119,8 @@ class DTATrainerMixin:
     - `dta/peak_memory_mb`: peak allocated memory of a forest on CUDA; elsewhere the process's peak resident set.
     - `dta/dense_fallback`: fraction of micro-batches that ran TRL's dense path (`dta_min_compression`, or an input
       layout DTA does not handle).
+    - `dta/idle_batches` (FSDP2's per-layer schedule): row batches this rank ran without work so that its layers'
+      collectives pair with the other ranks'.
     """
 
     _dta_trl_class: type
@@ -461,6 +463,7 @@ class DTATrainerMixin:
                 out = engine.forward_backward(forest.tree, forest.objective(terms), entropy=True,
                                               router_loss=router_loss, **run)
             forward_tokens, aux = out.stats["forward_tokens"], out.router_aux
+            idle = out.stats["idle_batches"]
         else:
             with self.accelerator.autocast(), call(engine, model, False):
                 out = engine.logprobs(forest.tree, entropy=True, **run)
@@ -470,6 +473,7 @@ class DTATrainerMixin:
                 second = engine.forward_backward(forest.tree, surrogate, entropy=entropy, router_loss=router_loss,
                                                  **run)
             forward_tokens, aux = forward_tokens + second.stats["forward_tokens"], second.router_aux
+            idle = out.stats["idle_batches"] + second.stats["idle_batches"]
         logps = forest.split(out.logps, out_device)
         entropies = forest.split(out.entropies, out_device)
         seconds = time.perf_counter() - start  # the engine's work; the per-micro-batch trees below are metrics only
@@ -487,6 +491,8 @@ class DTATrainerMixin:
         metrics["dta/tokens"].append(float(forest.tree.n_tokens))
         metrics["dta/tree_tokens"].append(float(forest.tree.n_tree_tokens))
         metrics["dta/forward_tokens"].append(float(forward_tokens))
+        if self._dta_parallel.lockstep:
+            metrics["dta/idle_batches"].append(float(idle))
         metrics["dta/micro_batches_per_forest"].append(float(len(forest.steps)))
         metrics["dta/peak_memory_mb"].append(_peak_memory_mb(device))
 
