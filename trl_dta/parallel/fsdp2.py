@@ -56,7 +56,8 @@ gradients, one decoder layer's parameters at a time (two with FSDP2's prefetch),
 and the activations of one batch of rows (at most `dta_max_batch_tokens`, or `dta_max_graph_tokens` in training when
 set, padded tokens, except that a root subtree larger than that is a batch of its own). The price against `"window"`:
 the collectives above, and siblings are not batched over a stored prefix (two-part attention): each root subtree is
-one tree-masked row, its attention over the whole row.
+one tree-masked row, its attention over the whole row (on CUDA the `math` part kernel, scores materialised per row,
+unless `dta_attn_backend="triton"`, whose interval-mask kernel takes packed rows as they are).
 
 The FSDP2 internals used (`FSDPModule._get_fsdp_state`, the state's `_lazy_init` and
 `_root_post_backward_final_callback`, a parameter group's `post_forward_mesh_info`, `reshard_after_backward`,
