@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from trl_dta.envs.tau2 import ScriptedUser, Tau2Session, play_tau2_episodes
@@ -27,8 +29,9 @@ def _offline_checkable(task) -> bool:
 # Every `REPLAY_STRIDE`-th task of a domain is replayed, plus the tasks `replay_sample` adds so that every kind of gold
 # episode is in: each tool a gold action calls (so each tool's argument types go through the chat template, the parser
 # and tau2's DB check), a task without actions, one without `communicate_info`, and the longest. All 164 tasks take
-# about 4 times as long and add episodes of the kinds already replayed.
-REPLAY_STRIDE = 4
+# about 4 times as long and add episodes of the kinds already replayed; `DTA_TAU2_REPLAY_STRIDE=1` replays them all
+# (all 164 reached reward 1 when the sample was introduced).
+REPLAY_STRIDE = int(os.environ.get("DTA_TAU2_REPLAY_STRIDE", "4"))
 
 
 def replay_sample(tasks: list) -> list:
@@ -58,7 +61,7 @@ def test_gold_replay_reaches_reward_one(name, chat_tokenizer):
     tasks = [t for t in domain.tasks if _offline_checkable(t)]
     assert len(tasks) == len(domain.tasks) == {"airline": 50, "retail": 114}[name]
     sample = replay_sample(tasks)
-    assert len(tasks) / REPLAY_STRIDE <= len(sample) < len(tasks) / 2
+    assert len(sample) >= len(tasks) / REPLAY_STRIDE
     failed = {}
     for task in sample:
         episode = play(domain, task, chat_tokenizer, domain.gold_turns(task))
