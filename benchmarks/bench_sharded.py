@@ -2,9 +2,12 @@
 
 One `accelerate launch` (FSDP2: `fsdp_version: 2`, transformer-layer auto wrap) of the distributed test script
 (`tests/trainers/dist_run.py`, which makes FSDP2 real on CPU and asserts DTensor parameters) trains, one after the
-other on the same fixed global batch: TRL's `GRPOTrainer` (`dense`), `DTAGRPOTrainer` with its defaults (`dta`: small
-subtrees packed into rows, few engine calls) and with every segment its own engine call (`dta-walk`:
-`dta_max_pack_tokens=0`, many forward/backward calls per step). The script counts FSDP2's all-gathers and
+other on the same fixed global batch: TRL's `GRPOTrainer` (`dense`), `DTAGRPOTrainer` with its defaults (`dta`: the
+`"window"` schedule, model gathered for the step; small subtrees packed into rows, few engine calls), with every segment
+its own engine call (`dta-walk`: `dta_max_pack_tokens=0`, many forward/backward calls per step), and with the
+per-layer schedule (`dta-layer`: `dta_fsdp_schedule="layer"`, decoder layers gathered inside every forward and
+backward, engine calls in lockstep; `dta-layer-small`: the same with batches of at most 48 padded tokens, several
+per step and unequal across ranks, so that one rank runs idle batches). The script counts FSDP2's all-gathers and
 reduce-scatters inside the optimizer steps (generation and scoring excluded) and TRL logs each step's time.
 
     python -m benchmarks.bench_sharded            # writes results/sharded.{csv,png}
@@ -30,8 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "trainers" / "dist_run.py"
 RESULTS = Path(__file__).with_name("results")
 COLUMNS = ["method", "layers", "fsdp_groups", "steps", "all_gathers_per_step", "reduce_scatters_per_step",
-           "step_s", "step_s_ratio_vs_dense", "loadavg"]
-METHODS = {"trl": "dense", "dta": "dta", "dta_walk": "dta-walk"}
+           "batches_per_step", "idle_batches_per_step", "step_s", "step_s_ratio_vs_dense", "loadavg"]
+METHODS = {"trl": "dense", "dta": "dta", "dta_walk": "dta-walk", "dta_layer": "dta-layer",
+           "dta_layer_small": "dta-layer-small"}
 
 
 def free_port() -> int:
@@ -69,10 +73,14 @@ def run(layers: int, hidden: int, steps: int) -> list[dict]:
     for variant, method in METHODS.items():
         counts, logs = runs[variant]["collectives"], runs[variant]["logs"]
         times = [log["step_time"] for log in logs[1:]]  # the first step pays one-off set-up
+        calls = [c for c in runs[variant]["engine_calls"][0] if c["train"]]  # rank 0's training engine calls
         rows.append({
             "method": method, "layers": layers, "fsdp_groups": counts["groups"], "steps": steps,
             "all_gathers_per_step": counts["all_gather"] / steps,
             "reduce_scatters_per_step": counts["reduce_scatter"] / steps,
+            "batches_per_step": sum(c["forwards"] for c in calls) / steps,
+            "idle_batches_per_step": sum(c["idle_batches"] for rank in runs[variant]["engine_calls"] for c in rank
+                                         if c["train"]) / steps,
             "step_s": sum(times) / len(times), "loadavg": os.getloadavg()[0],
         })
     dense = rows[0]["step_s"]
@@ -87,7 +95,7 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4))
     labels = [f"{r['method']}\nL={r['layers']}" for r in rows]
     x = range(len(rows))
     axes[0].bar([i - 0.2 for i in x], [r["all_gathers_per_step"] for r in rows], 0.4, label="all-gathers")
@@ -97,8 +105,8 @@ def plot(rows: list[dict], path: Path) -> None:
     axes[1].bar(list(x), [r["step_s"] for r in rows])
     axes[1].set_ylabel("seconds per optimizer step")
     for ax in axes:
-        ax.set_xticks(list(x), labels, fontsize=8)
-    fig.suptitle("FSDP2, 2 CPU processes: TRL dense vs DTA (gathered step)")
+        ax.set_xticks(list(x), labels, fontsize=7, rotation=45)
+    fig.suptitle("FSDP2, 2 CPU processes: TRL dense vs DTA (window and per-layer schedules)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

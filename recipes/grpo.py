@@ -36,10 +36,12 @@ python recipes/grpo.py \
 # Several GPUs: DTA runs under DDP (`ddp_8gpu.yaml`); add the Hub arguments above
 accelerate launch --config_file recipes/configs/ddp_8gpu.yaml recipes/grpo.py --model_name_or_path ...
 
-# DeepSpeed / FSDP launchers, for TRL's dense path only (`--dta_enabled false`): DTA runs on the unwrapped, fully
-# materialised model and refuses them with a clear error
-accelerate launch --config_file recipes/configs/deepspeed_zero2.yaml recipes/grpo.py --model_name_or_path ... \
-    --dta_enabled false
+# A model too large for DDP: FSDP2 (the model gathered for each optimizer step) or DeepSpeed ZeRO-1/2; with
+# `--dta_fsdp_schedule layer` FSDP2 gathers one decoder layer at a time instead (README, "Distributed engines")
+accelerate launch --config_file recipes/configs/fsdp2.yaml recipes/grpo.py --model_name_or_path ...
+accelerate launch --config_file recipes/configs/fsdp2.yaml recipes/grpo.py --model_name_or_path ... \
+    --dta_fsdp_schedule layer
+accelerate launch --config_file recipes/configs/deepspeed_zero2.yaml recipes/grpo.py --model_name_or_path ...
 ```
 """
 

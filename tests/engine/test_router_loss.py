@@ -23,7 +23,16 @@ BUDGETS = {
     "default": {},
     "segments": dict(max_pack_tokens=0),
     "recompute": dict(max_pack_tokens=0, max_graph_tokens=0, block_size=3),
+    "lockstep": dict(max_batch_tokens=16, lockstep=lambda n: n + 1),  # packed rows, one idle batch (`test_walk.py`)
 }
+
+
+def engine_for(model, budget: str) -> DTAEngine:
+    kw = dict(BUDGETS[budget])
+    lockstep = kw.pop("lockstep", None)
+    engine = DTAEngine(model, **kw)
+    engine.lockstep = lockstep
+    return engine
 
 
 def build(family: str, dtype=torch.float32, seed: int = 0):
@@ -86,7 +95,7 @@ def test_router_gradient_equals_dense(family, budget):
         seqs, groups = forest(seed)
         want_aux, want = dense_router_loss(model, seqs, groups, coefs)
         model.zero_grad(set_to_none=True)
-        out = DTAEngine(model, **BUDGETS[budget]).forward_backward(
+        out = engine_for(model, budget).forward_backward(
             seqs, zero_loss, router_loss=LoadBalancing(groups, coefs))
         assert out.stats["compression_ratio"] > 1.2
         assert torch.allclose(out.router_aux, want_aux.to(out.router_aux.dtype), rtol=1e-6, atol=0)

@@ -9,6 +9,12 @@ was asked for (`ACCELERATE_USE_FSDP` / `ACCELERATE_USE_DEEPSPEED`, or a plugin p
 `MixedPrecisionPolicy` accelerate sets for a GPU), and DeepSpeed (with `DS_ACCELERATOR=cpu`) really wraps it in its
 engine. The scripts assert that they did ([`assert_fsdp2`],
 `dist_run.assert_deepspeed`), so that a silent fall-back to DDP can never pass.
+
+Under DeepSpeed it also turns off DeepSpeed's CPU shared-memory communication op (`deepspeed_shm_comm`), which
+`deepspeed.comm` otherwise compiles with a C++ toolchain at its first initialisation (about a minute on 2 cores, again
+whenever another environment built it into the shared `~/.cache/torch_extensions`): its one use is
+`inference_all_reduce` of DeepSpeed's inference engine, never called in training (ZeRO reduces through
+`torch.distributed`), and a GPU run has no such op.
 """
 
 from __future__ import annotations
@@ -52,6 +58,10 @@ def enable_cpu_engines() -> None:
 
     __init__._dta_cpu_engines = True
     AcceleratorState.__init__ = __init__
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # `deepspeed.comm.torch.build_shm_op`
 
 
 def assert_fsdp2(trainer) -> None:

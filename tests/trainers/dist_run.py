@@ -32,13 +32,44 @@ from conftest import LEARNING_RATE, PAD, PRECISIONS, build_tokenizer, make_args 
 from cpu_engines import CollectiveCounter, assert_fsdp2, enable_cpu_engines  # noqa: E402
 
 GROUPS, G, PROMPT, COMPLETION = 4, 4, (10, 24), (1, 7)
+SPLIT_COMPRESSION = 3.2  # between the two ranks' forest compressions on the fixed batch (`dta_layer_split`)
 # `--variants`: the `dta_*` settings of each (`trl`: TRL's trainer). `_walk`: every segment its own engine call
 # (`dta_max_pack_tokens=0`), so that a step runs many forward and backward calls.
 VARIANTS = {
     "trl": {},
     "dta": {},
     "dta_walk": {"dta_max_pack_tokens": 0},
+    # FSDP2's per-layer schedule; `_small`: batches of at most 48 padded tokens, so that the ranks' forests need
+    # different numbers of batches and the lockstep pads with idle ones.
+    "dta_layer": {"dta_fsdp_schedule": "layer"},
+    "dta_layer_small": {"dta_fsdp_schedule": "layer", "dta_max_batch_tokens": 48},
+    # The fixed batch's forests compress 3.31x on rank 0 and 3.08x on rank 1: alone, rank 0 would run DTA and rank 1
+    # TRL's dense path; the per-layer schedule has both agree (both dense), or their layers' collectives would not pair.
+    "dta_layer_split": {"dta_fsdp_schedule": "layer", "dta_min_compression": SPLIT_COMPRESSION},
 }
+
+
+class EngineCalls:
+    """Every engine call's stats on this rank (`DTAEngine._call` wrapped, the real call unchanged): whether it
+    trained, whether it ran in lockstep with the other ranks, and its counters."""
+
+    def __init__(self):
+        from trl_dta.engine.core import DTAEngine
+
+        self.calls: list[dict] = []
+        self._cls, self._original = DTAEngine, DTAEngine._call
+        calls, original = self.calls, self._original
+
+        def _call(engine, seqs, loss_fn, *args, **kwargs):
+            out = original(engine, seqs, loss_fn, *args, **kwargs)
+            calls.append({"train": loss_fn is not None, "lockstep": engine.lockstep is not None,
+                          **{k: v for k, v in out.stats.items() if k != "seconds"}})
+            return out
+
+        DTAEngine._call = _call
+
+    def close(self) -> None:
+        self._cls._call = self._original
 
 
 def fixed_batch(vocab: int, device) -> dict:
@@ -99,11 +130,30 @@ def with_fixed_batch(cls):
                 if "old_per_token_logps" in old_keys:
                     out["old_per_token_logps"] = per_token
                 fixed = {**fixed, **dict.fromkeys(old_keys)}
+            if out.get("ref_per_token_logps") is not None:  # GRPO with beta > 0: the reference's, as TRL scores it
+                out["ref_per_token_logps"] = reference_logps(self, out)
+                fixed = {**fixed, "ref_per_token_logps": None}
             stale = [k for k, v in out.items() if k not in fixed and isinstance(v, torch.Tensor)]
             assert not stale, f"entries computed from the sampled completions would be stale: {stale}"
             return out
 
     return Fixed
+
+
+def reference_logps(trainer, out: dict) -> torch.Tensor:
+    """The reference model's per-token log-probs of `out`'s completions, through the trainer's scoring hook as TRL's
+    `_generate_and_score_completions` computes them (its reference model, or the policy with the adapter off)."""
+    from trl.trainer.utils import use_adapter
+
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+    mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+    keep = out["completion_ids"].size(1)
+    with torch.no_grad():
+        if trainer.ref_model is not None:
+            return trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, mask, keep)[0]
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
+            return trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, keep)[0]
 
 
 def main() -> None:
@@ -113,12 +163,13 @@ def main() -> None:
     parser.add_argument("--dta", type=int, default=1)
     parser.add_argument("--peft", type=int, default=0)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--beta", type=float, default=0.0, help="KL coefficient (a reference model when > 0)")
     parser.add_argument("--processes", type=int, required=True)
     parser.add_argument("--cost_model", default="default")
     parser.add_argument("--spg", type=int, default=2, help="steps_per_generation")
     parser.add_argument("--ga", type=int, default=2, help="gradient_accumulation_steps")
     parser.add_argument("--model_dir", required=True)
-    parser.add_argument("--variants", default="", help="comma-separated: trl, dta, dta_layer (overrides --dta); "
+    parser.add_argument("--variants", default="", help=f"comma-separated, of {list(VARIANTS)} (overrides --dta); "
                         "`name@fp32` / `name@trl`: that variant in that precision")
     parser.add_argument("--expect", default="", help="fsdp2 or deepspeed: assert that this engine really ran")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32", help="make_args's: fp32 or trl (bf16=True)")
@@ -170,7 +221,7 @@ def train_one(args, dta: int, extra: dict, out, last: bool = True) -> None:
         gradient_accumulation_steps=args.ga,
         num_generations=G,
         max_completion_length=4,
-        beta=0.0,  # no reference log-probs (they would belong to the sampled, replaced completions)
+        beta=args.beta,  # > 0: reference log-probs recomputed for the fixed completions (`reference_logps`)
         learning_rate=args.learning_rate,
         **extra,
     )
@@ -189,11 +240,15 @@ def train_one(args, dta: int, extra: dict, out, last: bool = True) -> None:
     )
     counter = CollectiveCounter()
     counter.count_training(trainer)
+    engine_calls = EngineCalls()
     probe = PrecisionProbe(trainer)
     state = PartialState()  # initialised by the trainer (use_cpu=True: a gloo group on CPU)
     assert state.num_processes == args.processes, f"expected {args.processes} processes, got {state.num_processes}"
     initial = {n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        engine_calls.close()
     if dta and args.cost_model == "fit":
         model = trainer._dta_cost_model
         assert model.fixed_cost > 0 or model.token_cost != 1.0, f"the cost model was not refitted: {model}"
@@ -208,14 +263,25 @@ def train_one(args, dta: int, extra: dict, out, last: bool = True) -> None:
                    for g in m._get_fsdp_state()._fsdp_param_groups if g.fsdp_params}.values())
     ran = probe.result(trainer)
     assert_precision(ran, args.precision, args.expect)
+    from trl_dta.parallel.fsdp2 import decoder_layers
+
+    layers = decoder_layers(model)
+    layer_groups = [g for m in model.modules() if id(m) in layers for g in m._get_fsdp_state()._fsdp_param_groups]
     counts = {**counter.counts, "groups": len(groups),
-              "trainable_groups": sum(any(p.sharded_param.requires_grad for p in g.fsdp_params) for g in groups)}
+              "trainable_groups": sum(any(p.sharded_param.requires_grad for p in g.fsdp_params) for g in groups),
+              "layer_groups": len(layer_groups),
+              "trainable_layer_groups": sum(any(p.sharded_param.requires_grad for p in g.fsdp_params)
+                                            for g in layer_groups)}
+    from accelerate.utils import gather_object
+
+    engine_calls_per_rank = gather_object([engine_calls.calls])  # collective: every rank's list
     # Collective under FSDP, and for DeepSpeed's float32 master weights of a bf16 module.
     params = {n: full(p, trainer.is_deepspeed_enabled) for n, p in model.named_parameters() if p.requires_grad}
     if state.is_main_process:
         logs = [e for e in trainer.state.log_history if "loss" in e]
-        torch.save({"params": params, "logs": logs, "collectives": counts, "steps": args.steps, "precision": ran,
-                    "initial": initial}, out)
+        torch.save({"params": params, "logs": logs, "collectives": counts, "steps": args.steps,
+                    "engine_calls": engine_calls_per_rank, "settings": extra, "precision": ran, "initial": initial},
+                   out)
     if not last:
         state.wait_for_everyone()
         return

@@ -11,10 +11,13 @@ through ~700-token attention alone reaches a few 1e-4 of the smallest updates), 
   micro-batch's rows, corrected by a per-micro-batch factor) with one micro-batch per generation;
 - DTA against TRL's dense path (`dta_enabled=False`) on 2 processes, on the same padded per-turn micro-batches.
 
-This file is also the launched module (`python -m trainers.test_agent_distributed --out run.pt --model_dir DIR ...`
-with `tests/` and the repository root on the path; plain `python` for one process): it trains two optimizer steps on
-replayed episodes (`test_layouts.ReplayRollout`) and saves rank 0's parameters and logs, and every rank's real and
-padded rows per micro-batch.
+This file is also the launched module (`python -m trainers.test_agent_distributed --out run.pt --model_dir DIR
+--configs 'loss_type=dapo;loss_type=cispo,balance=0'` with `tests/` and the repository root on the path; plain `python`
+for one process): for each configuration in turn it trains two optimizer steps on replayed episodes
+(`test_layouts.ReplayRollout`) and saves rank 0's parameters and logs, and every rank's real and padded rows per
+micro-batch, to `<out stem>-<index>.pt`. All the configurations of one process count (`CONFIGS`) share one launch
+(process start-up and imports are most of a launch); each one's stderr is told apart by a marker line, and
+`warn_once`'s record is cleared before each, so that every configuration logs its own warnings.
 """
 
 from __future__ import annotations
@@ -32,6 +35,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 G = 4
 TASKS = 8
+# Every configuration the tests train, by process count (flags of [`main`]; unset flags at their defaults).
+CONFIGS = {
+    1: [{"loss_type": "dapo"}, {"loss_type": "cispo"}, {"loss_type": "grpo", "ga": 1}],
+    2: [{"loss_type": "dapo", "balance": 0}, {"loss_type": "dapo"}, {"loss_type": "cispo", "balance": 0},
+        {"loss_type": "cispo"}, {"loss_type": "grpo", "ga": 1}, {"dta": 0, "balance": 0}],
+}
+MARKER = "=== test_agent_distributed configuration "
 
 
 def free_port() -> int:
@@ -40,24 +50,36 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(out: Path, model_dir: Path, processes: int = 2, **flags) -> subprocess.CompletedProcess:
-    """One training run of [`main`] on `processes` processes; `flags` are its command-line flags."""
+def launch(out: Path, model_dir: Path, processes: int, configs: list[dict]) -> subprocess.CompletedProcess:
+    """One launch of [`main`] on `processes` processes, training each of `configs` (its flags) in turn."""
     module = "trainers.test_agent_distributed"
     run = ["--module", module] if processes > 1 else ["-m", module]
     launcher = ["-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={processes}", "--num_machines=1",
                 "--mixed_precision=no", "--dynamo_backend=no", f"--main_process_port={free_port()}"]
     cmd = [sys.executable, *(launcher if processes > 1 else []), *run, f"--out={out}", f"--model_dir={model_dir}",
-           f"--processes={processes}", *(f"--{k}={v}" for k, v in flags.items())]
+           f"--processes={processes}", "--configs=" + ";".join(",".join(f"{k}={v}" for k, v in c.items()) for c in configs)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
 
 
-def result(proc: subprocess.CompletedProcess, out: Path, processes: int) -> dict:
+def results(proc: subprocess.CompletedProcess, out: Path, processes: int, configs: list[dict]) -> list[dict]:
+    """Each configuration's saved run, with the stderr its training wrote (every rank's, from its marker on)."""
     assert proc.returncode == 0, f"{' '.join(proc.args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    run = torch.load(out)
-    assert run["processes"] == processes, f"expected {processes} processes, {run['processes']} ran"
-    run["stderr"] = proc.stderr
-    return run
+    stderr = {i: [] for i in range(len(configs))}
+    current = None
+    for line in proc.stderr.splitlines(keepends=True):
+        if MARKER in line:
+            current = int(line.split(MARKER)[1].split()[0])
+        elif current is not None:
+            stderr[current].append(line)
+    runs = []
+    for i, config in enumerate(configs):
+        run = torch.load(out.with_name(f"{out.stem}-{i}.pt"))
+        assert run["processes"] == processes, f"expected {processes} processes, {run['processes']} ran"
+        assert {k: run["flags"][k] for k in config} == config, (run["flags"], config)
+        run["stderr"] = "".join(stderr[i])
+        runs.append(run)
+    return runs
 
 
 def assert_same_training(ref: dict, run: dict, rtol: float = 1e-5) -> float:
@@ -90,7 +112,8 @@ def assert_padded_to_equal_counts(run: dict) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Training runs by (processes, flags), each launched once for the module."""
+    """Training runs by (processes, flags): every configuration of `CONFIGS[processes]` trained in one launch, the
+    first time one of them is asked for."""
     from trl_dta.tiny import build_default_model_dir
 
     model_dir = build_default_model_dir(tmp_path_factory.mktemp("model"), hidden_size=32, max_position_embeddings=1024)
@@ -99,8 +122,12 @@ def runs(tmp_path_factory):
     def get(processes: int, **flags) -> dict:
         key = (processes, *sorted(flags.items()))
         if key not in done:
+            configs = CONFIGS[processes]
+            assert flags in configs, f"{flags} is not in CONFIGS[{processes}]"
             out = tmp_path_factory.mktemp("run") / "run.pt"
-            done[key] = result(launch(out, model_dir, processes, **flags), out, processes)
+            for config, run in zip(configs, results(launch(out, model_dir, processes, configs), out, processes,
+                                                    configs)):
+                done[(processes, *sorted(config.items()))] = run
         return done[key]
 
     return get
@@ -154,14 +181,7 @@ def test_per_turn_two_processes_dta_equals_dense(runs):
 
 
 def main() -> None:
-    from accelerate import PartialState
-    from accelerate.utils import gather_object
-    from trainers.conftest import make_args
-    from trainers.test_layouts import ReplayRollout
-
-    from trl_dta.envs import RetailDomain, build_dataset, episode_reward
-    from trl_dta.tiny import build_tokenizer
-    from trl_dta.trainers import DTAGRPOConfig, DTAGRPOTrainer
+    from trl_dta import _checks
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -171,11 +191,35 @@ def main() -> None:
     parser.add_argument("--balance", type=int, default=1, help="dta_balance (DTA's default: 1)")
     parser.add_argument("--loss_type", default="dapo")
     parser.add_argument("--ga", type=int, default=2, help="gradient_accumulation_steps (= steps_per_generation)")
-    flags = parser.parse_args()
+    parser.add_argument("--configs", default="", help="';'-separated configurations, each 'flag=value,...' (the "
+                        "flags above), trained in turn into `<out stem>-<index>.pt`")
+    common = parser.parse_args()
     torch.set_num_threads(1)
+    if not common.configs:
+        train_one(parser.parse_args(), common.out)
+    else:
+        for i, config in enumerate(common.configs.split(";")):
+            argv = [f"--out={common.out}", f"--model_dir={common.model_dir}", f"--processes={common.processes}"]
+            flags = parser.parse_args(argv + [f"--{item}" for item in config.split(",") if item])
+            print(f"{MARKER}{i} ({config})", file=sys.stderr, flush=True)
+            _checks._warned.clear()  # each configuration logs its own once-per-process warnings
+            out = Path(common.out).with_name(f"{Path(common.out).stem}-{i}.pt")
+            train_one(flags, out, last=i == len(common.configs.split(";")) - 1)
+
+
+def train_one(flags, out, last: bool = True) -> None:
+    from accelerate import PartialState
+    from accelerate.utils import gather_object
+    from trainers.conftest import make_args
+    from trainers.test_layouts import ReplayRollout
+
+    from trl_dta.envs import RetailDomain, build_dataset, episode_reward
+    from trl_dta.tiny import build_tokenizer
+    from trl_dta.trainers import DTAGRPOConfig, DTAGRPOTrainer
+
     domain, tokenizer = RetailDomain(seed=0), build_tokenizer()
     # 16 episodes per generation on any number of processes: 2 tasks x G on each of 2 ranks, or all 4 on one.
-    args = make_args(DTAGRPOConfig, Path(flags.out).with_suffix(""), 2, gradient_accumulation_steps=flags.ga,
+    args = make_args(DTAGRPOConfig, Path(out).with_suffix(""), 2, gradient_accumulation_steps=flags.ga,
                      per_device_train_batch_size=16 // (flags.processes * flags.ga),
                      num_generations=G, max_completion_length=64, loss_type=flags.loss_type, num_iterations=2,
                      beta=0.0, dta_enabled=bool(flags.dta), dta_balance=bool(flags.balance),
@@ -192,7 +236,10 @@ def main() -> None:
     if state.is_main_process:
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
         torch.save({"params": params, "initial": initial, "rows": rows, "processes": state.num_processes,
-                    "flags": vars(flags), "logs": [e for e in trainer.state.log_history if "loss" in e]}, flags.out)
+                    "flags": vars(flags), "logs": [e for e in trainer.state.log_history if "loss" in e]}, out)
+    if not last:
+        state.wait_for_everyone()
+        return
     if state.num_processes > 1:
         state.wait_for_everyone()
         sys.stdout.flush()

@@ -52,7 +52,7 @@ def run(out: Path, model_dir: str, processes: int, **flags) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    if "variants" in flags:  # one launch, several runs: `<out stem>-<variant>.pt` each
+    if "variants" in flags:  # one saved run per variant, `<out stem>-<variant>.pt`
         return {v: torch.load(out.with_name(f"{out.stem}-{v}.pt")) for v in flags["variants"].split(",")}
     return torch.load(out)
 
@@ -139,10 +139,10 @@ def test_two_processes_equal_one_process(tmp_path, model_dir, trainer, peft):
 def test_default_settings_two_processes_match_trl(tmp_path, model_dir, trainer):
     """Two generations' worth of optimizer steps per generation (steps_per_generation=4, gradient_accumulation_steps=2):
     each step trains on the rows TRL's shuffle gives it, so the reference is TRL's trainer in two processes (the same
-    shuffles); DTA's defaults then keep TRL's rows on every rank (no balancing: it would change the steps' rows)."""
-    flags = dict(trainer=trainer, spg=4, ga=2, steps=3)
-    ref = run(tmp_path / "ref.pt", model_dir, 2, dta=0, **flags)
-    dta = run(tmp_path / "dta.pt", model_dir, 2, dta=1, **flags)
+    shuffles); DTA's defaults then keep TRL's rows on every rank (no balancing: it would change the steps' rows).
+    Both train in one launch, one after the other (`dist_run.py --variants`, as the FSDP2 and ZeRO tests do)."""
+    runs = run(tmp_path / "run.pt", model_dir, 2, trainer=trainer, spg=4, ga=2, steps=3, variants="trl,dta")
+    ref, dta = runs["trl"], runs["dta"]
     from transformers import AutoModelForCausalLM
 
     initial = {n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(model_dir).named_parameters()}

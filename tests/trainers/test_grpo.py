@@ -463,6 +463,7 @@ def test_construction_errors(tmp_path, model_dir, tokenizer, dataset, case, mess
         ("dta_attn_backend", "fast", "`dta_attn_backend` must be one of"),
         ("dta_attn_backend", None, "`dta_attn_backend` must be one of"),
         ("dta_sample_layout", "turns", "`dta_sample_layout` must be one of"),
+        ("dta_fsdp_schedule", "per_layer", "`dta_fsdp_schedule` must be one of ['layer', 'window']"),
     ],
 )
 def test_config_validation(tmp_path, field, value, message):

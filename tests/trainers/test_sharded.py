@@ -52,23 +52,77 @@ def initial_values(model_dir: str, runs: dict, peft: int) -> dict:
     return {n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(model_dir).named_parameters()}
 
 
-@pytest.mark.parametrize(("trainer", "peft", "variants"), [
-    ("grpo", 0, "trl,dta,dta_walk"),
-    ("grpo", 1, "trl,dta"),
-    ("rloo", 0, "trl,dta"),
-    ("rloo", 1, "trl,dta"),
-], ids=["grpo-full", "grpo-lora", "rloo-full", "rloo-lora"])
-def test_fsdp2_matches_trl_under_fsdp2(tmp_path, model_dir, trainer, peft, variants):
-    runs = launch(tmp_path, model_dir, FSDP2, variants, "fsdp2", trainer=trainer, peft=peft, steps=3)
+def assert_window_collectives(run: dict, trl: dict) -> None:
+    """The `"window"` schedule: one all-gather per group and one reduce-scatter per trainable group per step."""
+    counts, steps = run["collectives"], run["steps"]
+    assert counts["all_gather"] == counts["groups"] * steps, counts
+    assert counts["reduce_scatter"] == counts["trainable_groups"] * steps, counts
+    assert counts["all_gather"] < trl["collectives"]["all_gather"]
+
+
+def assert_layer_collectives(run: dict) -> int:
+    """The `"layer"` schedule: the policy's engine calls ran in lockstep and made the same number of forwards on both
+    ranks (a reference model, one FSDP group, is gathered whole for its calls: no lockstep), and the step's
+    collectives are the held groups' one each plus every decoder layer's per batch forward and backward
+    (`parallel/fsdp2.py`). Returns the idle batches the ranks ran."""
+    calls = run["engine_calls"]  # per rank, every engine call's stats, in order
+    assert len(calls) == 2 and len(calls[0]) == len(calls[1]) > 0
+    assert all(c["lockstep"] for rank in calls for c in rank if c["train"])
+    for mine, theirs in zip(*calls):
+        assert (mine["train"], mine["lockstep"]) == (theirs["train"], theirs["lockstep"]), (mine, theirs)
+        if mine["lockstep"]:
+            assert mine["forwards"] == theirs["forwards"], (mine, theirs)
+    batches = sum(c["forwards"] for c in calls[0] if c["train"])
+    counts, steps = run["collectives"], run["steps"]
+    held, held_trainable = counts["groups"] - counts["layer_groups"], \
+        counts["trainable_groups"] - counts["trainable_layer_groups"]
+    assert counts["layer_groups"] > 0 and batches >= steps
+    assert counts["all_gather"] == held * steps + 2 * counts["layer_groups"] * batches, (counts, batches)
+    assert counts["reduce_scatter"] == held_trainable * steps + counts["trainable_layer_groups"] * batches, \
+        (counts, batches)
+    return sum(c["idle_batches"] for rank in calls for c in rank if c["lockstep"])
+
+
+def assert_dense_agreed(runs: dict) -> None:
+    """`dta_layer_split`: the ranks' forests compress on either side of `dta_min_compression` (measured by another
+    variant's training calls), and both ranks took TRL's dense path: rank 0, whose forest alone would run DTA, too."""
+    split = runs["dta_layer_split"]["settings"]["dta_min_compression"]
+    ratios = [{c["compression_ratio"] for c in rank if c["train"]} for rank in runs["dta_layer_small"]["engine_calls"]]
+    assert all(len(r) == 1 for r in ratios), ratios
+    (rank0,), (rank1,) = ratios
+    assert rank1 < split < rank0, (rank0, split, rank1)
+    run = runs["dta_layer_split"]
+    assert not any(c["train"] for rank in run["engine_calls"] for c in rank)
+    assert all(log["dta/dense_fallback"] == 1.0 for log in run["logs"])  # rank 0's logs
+
+
+# `dta_walk`: every segment its own engine call; `dta_layer*`: FSDP2's per-layer schedule (`_small`: several batches
+# per step, unequal across ranks, so that the lockstep runs idle batches). `beta`: a reference model scored under
+# FSDP2 (TRL shards it as one group): GRPO's KL term in the loss (with the fixed batch's reference log-probs), RLOO's
+# default in its rewards (replaced by the fixed advantages: the scoring runs, its values do not reach the loss).
+@pytest.mark.parametrize(("trainer", "peft", "beta", "variants"), [
+    ("grpo", 0, 0.04, "trl,dta,dta_walk,dta_layer_small,dta_layer_split"),
+    ("grpo", 1, 0.0, "trl,dta"),
+    ("rloo", 0, 0.0, "trl,dta"),
+    ("rloo", 1, 0.05, "trl,dta,dta_layer_small"),
+], ids=["grpo-full-beta", "grpo-lora", "rloo-full", "rloo-lora-beta"])
+def test_fsdp2_matches_trl_under_fsdp2(tmp_path, model_dir, trainer, peft, beta, variants):
+    runs = launch(tmp_path, model_dir, FSDP2, variants, "fsdp2", trainer=trainer, peft=peft, beta=beta, steps=3)
     initial = initial_values(model_dir, runs, peft)
     for variant in variants.split(",")[1:]:
         run = runs[variant]
         assert compare(runs["trl"], run, initial) <= 1e-4
+        if variant == "dta_layer_split":
+            assert_dense_agreed(runs)
+            continue
         assert all(log["dta/dense_fallback"] == 0.0 for log in run["logs"])
-        counts, steps = run["collectives"], run["steps"]
-        assert counts["all_gather"] == counts["groups"] * steps, counts
-        assert counts["reduce_scatter"] == counts["trainable_groups"] * steps, counts
-        assert counts["all_gather"] < runs["trl"]["collectives"]["all_gather"]
+        if variant.startswith("dta_layer"):
+            idle = assert_layer_collectives(run)
+            if variant.endswith("_small"):
+                assert idle > 0, "the ranks' forests needed equal batch counts: the lockstep was not exercised"
+            assert all("dta/idle_batches" in log for log in run["logs"])
+        else:
+            assert_window_collectives(run, runs["trl"])
     if "dta_walk" in runs:  # every segment its own engine call: many more forward/backward calls, same collectives
         assert runs["dta_walk"]["collectives"] == runs["dta"]["collectives"]
 
@@ -82,7 +136,7 @@ def test_zero_matches_trl_under_zero(tmp_path, model_dir, stage, trainer, peft):
 
 
 @pytest.mark.parametrize(("engine", "trainer", "peft", "variants"), [
-    ("fsdp2", "grpo", 0, "trl@fp32,trl,dta,dta_walk"),
+    ("fsdp2", "grpo", 0, "trl@fp32,trl,dta,dta_walk,dta_layer"),
     ("fsdp2", "grpo", 1, "trl@fp32,trl,dta"),
     ("deepspeed", "grpo", 0, "trl@fp32,trl,dta"),
     ("deepspeed", "rloo", 1, "trl@fp32,trl,dta"),

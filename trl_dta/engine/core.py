@@ -108,6 +108,12 @@ class DTAEngine:
             log-sum-exp; `"auto"`: the fastest exact backend on the model's device (CPU: `"torch"`; CUDA: `"flash"`
             when flash-attn is installed, else `"torch"`). All are exact; an unavailable choice is refused here.
 
+    Lockstep (`engine.lockstep`, *optional*, defaults to `None`): for a model whose layers are sharded across
+    processes and gathered inside each forward and backward (FSDP2's per-layer schedule, `parallel/fsdp2.py`), every
+    process must make the same model calls. Set it to a function `agree(n) -> int` that returns the largest `n` over
+    the processes (an all-reduce); each call then runs its tree as batches of packed subtree rows, as many as every
+    process runs (`engine/walk.py`, "Lockstep"; stat `idle_batches`). Exact like every schedule.
+
     Precision: each call runs the model under the autocast its dense forward would run under, the caller's (e.g.
     `accelerator.autocast()`) or the one accelerate's mixed-precision wrapper puts around a prepared model's forward
     (`trl_dta.precision`); the loss and the backward run outside autocast, as `accelerator.backward` does.
@@ -115,7 +121,7 @@ class DTAEngine:
     Stats of the last call (`engine.last_stats`, also `DTAOutput.stats`): `sequences`, `tokens`, `tree_tokens`,
     `compression_ratio`, `forward_tokens` (real tokens forwarded, recompute included), `padded_tokens` (with row
     padding), `recomputed_tokens`, `scored_positions` (rows projected through the LM head), `peak_graph_tokens`,
-    `forwards`, `backwards`, `seconds`.
+    `forwards`, `backwards`, `idle_batches` (lockstep batches without work), `seconds`.
     """
 
     def __init__(self, model, *, block_size: int = 1024, max_batch_tokens: int = 8192,
@@ -129,6 +135,7 @@ class DTAEngine:
         self.attn_backend = _checks.check_choice("attn_backend", attn_backend, kernels.BACKENDS)
         self.model = model
         self.last_stats: dict = {}
+        self.lockstep = None
         lm = _causal_lm(model)
         if getattr(lm.config, "is_encoder_decoder", False):
             raise TypeError("DTAEngine supports decoder-only causal LMs, not encoder-decoder models.")
@@ -248,13 +255,13 @@ class DTAEngine:
                 record = routers.new_record(tree, spec, lm.dtype, lm.get_output_embeddings().weight.device)
                 observer = routers.RouterObserver(capture, spec, record=record)
             result = TreeWalk(lm, self.n_layers, tree, plan, budgets, loss_fn, temperature, entropy, backend,
-                              self._precision(lm), router=observer).run()
+                              self._precision(lm), router=observer, lockstep=self.lockstep).run()
         if record is not None:
             aux = routers.router_weights(record, tree, router_loss, spec.n_experts).aux
         elif aux is not None:
             coefs = torch.tensor([float(c) for c in router_loss.coefs], dtype=aux.dtype, device=aux.device)
             result.loss = result.loss + (coefs * aux).sum().to(result.loss.device, result.loss.dtype)
-        for key in ("forward_tokens", "padded_tokens", "forwards"):  # the counting pass's work counts too
+        for key in ("forward_tokens", "padded_tokens", "forwards", "idle_batches"):  # the counting pass's too
             result.stats[key] += counted.get(key, 0)
         stats = {**result.stats, "sequences": tree.n_sequences, "tokens": tree.n_tokens,
                  "tree_tokens": tree.n_tree_tokens, "compression_ratio": tree.compression_ratio,
@@ -271,7 +278,7 @@ class DTAEngine:
         plan = ScorePlan(tree, [0] * tree.n_sequences)
         with torch.no_grad():
             walk = TreeWalk(lm, self.n_layers, tree, plan, budgets, None, 1.0, False, backend,
-                             self._precision(lm), router=counting)
+                             self._precision(lm), router=counting, lockstep=self.lockstep)
             stats = walk.run().stats
         weights = routers.router_weights(record, tree, request, spec.n_experts)
         return routers.RouterObserver(capture, spec, weights=weights.weights), weights.aux, stats

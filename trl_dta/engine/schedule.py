@@ -66,7 +66,7 @@ def schedule_children(children: list[int], has_children: list[bool], subtree_tok
                   key=subtree_tokens.__getitem__)
     walk = [c for c in children if has_children[c] and subtree_tokens[c] > pack]
     out = ChildSchedule()
-    for batch in _batches(rows, subtree_tokens, budgets, train, live):
+    for batch in row_batches(rows, subtree_tokens, budgets, train, live):
         c = batch[0]
         if len(batch) == 1 and not graph_fits(budgets, train, live, subtree_tokens[c]):
             if has_children[c]:
@@ -79,8 +79,8 @@ def schedule_children(children: list[int], has_children: list[bool], subtree_tok
     return out
 
 
-def _batches(rows: list[int], subtree_tokens: list[int], budgets: Budgets, train: bool,
-             live: int) -> list[list[int]]:
+def row_batches(rows: list[int], subtree_tokens: list[int], budgets: Budgets, train: bool,
+                live: int) -> list[list[int]]:
     """Group rows (sorted by size) so that each batch's padded size fits `max_batch_tokens` and the graph budget."""
     out, cur = [], []
     for c in rows:  # sorted: the padded size of a batch is its last row's size times its number of rows

@@ -13,6 +13,16 @@ Precision (`precision.py`): the whole walk runs under the autocast of the dense 
 
 MoE router loss (`router_loss.py`): with a `router`, each forward hands its tokens' tree indices to it; in training the
 scalar router term it returns joins the forward's own backward (the segment's `_inject`, or the rows' pending loss).
+
+Lockstep (`lockstep`, for a model sharded layer by layer across processes, `parallel/fsdp2.py`): every process must
+then make the same sequence of model forwards and backwards, whatever its tree, because each layer's forward and
+backward is a collective. The walk replaces its depth-first schedule by packed rows only: the roots' subtrees, each
+one row with its tree mask (`rows.py`), batched by size within the budgets (`row_batches`; a subtree larger than the
+budget is a batch of its own), one forward and, in training, one backward per batch that enters every layer through
+its output (a zero multiple of the last hidden state joins the loss). `lockstep(n)` returns the largest batch count of
+the processes; a process with fewer runs the difference as idle batches (one padding token, no loss). Every token
+is still forwarded and back-propagated once; what is given up is the two-part attention of siblings over a stored
+prefix: a row attends over its whole packed subtree.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ from ..precision import Precision
 from ..tree import PrefixTree
 from .plan import BlockTargets, ScorePlan
 from .rows import pack_rows
-from .schedule import Budgets, graph_fits, schedule_children
+from .schedule import Budgets, graph_fits, row_batches, schedule_children
 
 LossFn = Callable[[int, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
@@ -78,11 +88,13 @@ class TreeWalk:
         router (`RouterObserver`, *optional*): MoE load-balancing loss (`router_loss.py`): called after every forward
             with its tokens' tree indices; in training, the router term it returns is back-propagated with the
             forward's graph.
+        lockstep (`Callable[[int], int]`, *optional*): run in lockstep with other processes (module docstring): called
+            once with this walk's number of row batches, returns the number every process runs.
     """
 
     def __init__(self, lm, n_layers: int, tree: PrefixTree, plan: ScorePlan, budgets: Budgets,
                  loss_fn: LossFn | None, temperature: float, entropy: bool, attn_backend: str = "sdpa",
-                 precision: Precision | None = None, router=None):
+                 precision: Precision | None = None, router=None, lockstep: Callable[[int], int] | None = None):
         self.lm = lm
         self.backbone = lm.get_decoder()
         self.head = HeadSpec.from_model(lm)
@@ -96,6 +108,7 @@ class TreeWalk:
         self.want_ent = entropy
         self.attn_backend = attn_backend
         self.router = router
+        self.lockstep = lockstep
         self.stack = KVStack(n_layers)
         self.tokens = [tree.tokens(s.index).to(self.device) for s in tree.segments]  # per segment (length,)
         self.fork_tokens = [torch.stack([self.tokens[c][0] for c in kids]) if kids else None  # (n_forks,)
@@ -111,11 +124,13 @@ class TreeWalk:
         self.pending = None  # sum of the losses visited since the last backward
         self.live = 0  # graph tokens kept on the path
         self.stats = dict(forward_tokens=0, padded_tokens=0, recomputed_tokens=0, scored_positions=0,
-                          peak_graph_tokens=0, forwards=0, backwards=0)
+                          peak_graph_tokens=0, forwards=0, backwards=0, idle_batches=0)
 
     def run(self) -> WalkResult:
         with torch.set_grad_enabled(self.train), self.precision.forward():
-            todo: list[tuple[str, int]] = [("children", -1)]
+            todo: list[tuple[str, int]] = [("children", -1)] if self.lockstep is None else []
+            if self.lockstep is not None:
+                self._run_lockstep()
             while todo:
                 kind, s = todo.pop()
                 if kind == "enter":
@@ -132,6 +147,30 @@ class TreeWalk:
         if self.train:
             loss = self.total if self.total is not None else torch.zeros((), device=self.device)
         return WalkResult(self.logps, self.ents if self.want_ent else None, loss, dict(self.stats))
+
+    def _run_lockstep(self) -> None:
+        """The whole tree as batches of packed root subtrees, as many batches as every other process runs."""
+        roots = sorted(self.tree.roots, key=self.subtree_tokens.__getitem__)
+        batches = row_batches(roots, self.subtree_tokens, self.budgets, self.train, 0) if roots else []
+        n = int(self.lockstep(len(batches)))
+        if n < len(batches):
+            raise RuntimeError(f"lockstep: the processes agreed on {n} row batches, fewer than this one's "
+                               f"{len(batches)}; `lockstep` must return the largest count.")
+        for batch in batches:
+            self._run_rows(batch)
+        for _ in range(n - len(batches)):
+            self._idle_batch()
+
+    def _idle_batch(self) -> None:
+        """A forward (and backward) that computes nothing, so that the layers' collectives match the other
+        processes': one padding token at position 0, no loss; a router sees it as padding."""
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        nodes = torch.full((1, 1), -1, dtype=torch.long, device=self.device) if self.router is not None else None
+        hidden, _, aux = self._forward(ids, 0, nodes)
+        self.stats["idle_batches"] += 1
+        if self.train:
+            self.pending = _zero_multiple(hidden) if aux is None else _zero_multiple(hidden) + aux * 0
+            self._backward_pending()
 
     def _run_children(self, s: int) -> list[int]:
         """Run the children of `s` the schedule batches or runs alone; return those to walk, in order."""
@@ -324,6 +363,8 @@ class TreeWalk:
                 self._visit(i)
         for g in packed.columns:
             del self.live_outputs[g]
+        if self.lockstep is not None and self.train:  # the backward reaches every layer through its output
+            self.pending = _zero_multiple(hidden) if self.pending is None else self.pending + _zero_multiple(hidden)
         self._backward_pending()
 
     def _visit(self, i: int) -> None:
@@ -368,6 +409,11 @@ class TreeWalk:
             with self.precision.outside():
                 pending.backward()
             self.stats["backwards"] += 1
+
+
+def _zero_multiple(hidden: torch.Tensor) -> torch.Tensor:
+    """`0 * sum(hidden)` in float32: a term with zero gradient whose backward runs through every layer."""
+    return hidden.float().sum() * 0.0
 
 
 def _unit(t: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -12,13 +12,16 @@ the few operations the trainer calls (`trainers/_mixin.py` only dispatches):
 - `engine_call(engine, model, train)`: a context around each engine call; `scoring(model)` around each no-grad
   scoring call (TRL's `_get_per_token_logps_and_entropies`, DTA or dense path).
 - `backward_scale(accelerator)`: the factor `accelerator.backward` applies to the loss.
+- `all_ranks(flag)`: whether `flag` holds on every rank, for strategies whose ranks must take one path (`lockstep`:
+  FSDP2's `"layer"` schedule, where each layer's forward and backward is a collective); `flag` itself elsewhere.
 
-| accelerate `distributed_type` | strategy       | the engine runs on                 | gradients reduced             |
-|-------------------------------|----------------|------------------------------------|-------------------------------|
-| `NO`                          | `Local`        | the model                          | -                             |
-| `MULTI_CPU`, `MULTI_GPU`, ... | `DataParallel` | the unwrapped model (no DDP hooks) | one all-reduce pass per step  |
-| `FSDP`, `fsdp_version: 2`     | `fsdp2.FSDP2`  | the model, every group gathered    | one reduce-scatter per group  |
-| `DEEPSPEED`, ZeRO-0/1/2       | `zero.Zero`    | the model, replicated parameters   | one DeepSpeed backward (pass) |
+| accelerate `distributed_type`      | strategy       | the engine runs on                    | gradients reduced             |
+|------------------------------------|----------------|---------------------------------------|-------------------------------|
+| `NO`                               | `Local`        | the model                             | -                             |
+| `MULTI_CPU`, `MULTI_GPU`, ...      | `DataParallel` | the unwrapped model (no DDP hooks)    | one all-reduce pass per step  |
+| `FSDP`, `fsdp_version: 2`          | `fsdp2.FSDP2`  | the model, every group gathered       | one reduce-scatter per group  |
+| same, `dta_fsdp_schedule="layer"`  | `fsdp2.FSDP2`  | held groups gathered, layers per call | layers: after every backward  |
+| `DEEPSPEED`, ZeRO-0/1/2            | `zero.Zero`    | the model, replicated parameters      | one DeepSpeed backward (pass) |
 
 Refused at construction, each with the supported alternative: FSDP1 (`fsdp_version: 1`), FSDP2 with CPU offload or
 FSDP activation checkpointing, DeepSpeed ZeRO-3 or ZeRO offload, tensor/context/sequence parallelism, Megatron-LM,
@@ -58,7 +61,7 @@ def _fsdp(trainer, accelerator):
         )
     from .fsdp2 import FSDP2
 
-    return FSDP2()
+    return FSDP2(trainer._dta.dta_fsdp_schedule, accelerator.device)
 
 
 def _deepspeed(trainer, accelerator):

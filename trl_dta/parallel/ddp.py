@@ -12,6 +12,12 @@ class Local:
     """One process: nothing to gather or reduce."""
 
     name = "local"
+    lockstep = False  # whether the ranks' engine calls must make the same model calls (`fsdp2`'s "layer")
+
+    @staticmethod
+    def all_ranks(flag: bool) -> bool:
+        """Whether `flag` holds on every rank that must take the same path (lockstep strategies ask the others)."""
+        return flag
 
     def begin_window(self, model) -> None:
         pass

@@ -15,7 +15,9 @@ Under DTA that schedule fails three ways:
   issued from inside the walk do not line up across ranks: measured here, FSDP2's own schedule inside the walk
   deadlocks (or pairs one layer's all-gather with another's, silently wrong) as soon as two ranks' trees differ.
 
-So DTA gathers the whole model at points every rank reaches together, the *gathered scopes*:
+DTA offers two schedules (`dta_fsdp_schedule`):
+
+**`"window"` (default): the whole model gathered at points every rank reaches together.**
 
 - the optimizer window (`begin_window` at its first micro-step, `end_window` after its last): every group gathered
   once (`reshard_after_forward=False`, `reshard_after_backward=False`), gradient reduction off
@@ -31,9 +33,31 @@ So DTA gathers the whole model at points every rank reaches together, the *gathe
 Memory during a window (`P` parameters, `P_t` trainable, `N` ranks, `b_p` / `b_g` bytes per unsharded parameter /
 gradient, `b_s` per element of sharded parameter and optimizer state): `P * b_p + P_t * b_g` gathered on top of the
 sharded `P / N * b_s`: the footprint of ZeRO-1/2's replicated parameters and gradients, for the window; between
-windows (the optimizer step, checkpointing) FSDP2's sharded footprint. A model whose gathered parameters and gradients
-do not fit one device needs a schedule that gathers layer by layer inside the walk, which needs the ranks' walks in
-lockstep; it is not offered.
+windows (the optimizer step, checkpointing) FSDP2's sharded footprint.
+
+**`"layer"`: decoder layers gathered one at a time, inside each forward and backward (models too large to hold
+gathered).** The groups that are not decoder layers (the root, the input embeddings, the tail with the final norm and
+the LM head, which the engine calls directly) are held gathered for the window as above; every decoder layer keeps
+FSDP2's own schedule: all-gathered in its pre-forward hook, resharded after the forward (accelerate's
+`fsdp_reshard_after_forward: true`), all-gathered again in its pre-backward hook, its gradient reduce-scattered after
+every backward (sync stays on for the whole window, whatever `no_sync` the HF Trainer puts around a micro-step) and
+accumulated into the sharded gradient. Those collectives pair across ranks only if every rank makes the same forward
+and backward calls, so the engine runs in lockstep (`engine.lockstep`, `engine/walk.py`): each engine call packs the
+rank's forest into batches of root-subtree rows, the ranks agree on the batch count (one all-reduce of an int), and a
+rank with fewer runs idle batches; the decision between DTA and TRL's dense path (`dta_min_compression`, an input DTA
+does not take) is agreed too, so that ranks never mix the two in one window or scoring call. With `L` decoder layers,
+`H` other groups (`H_t` of them trainable) and `b` agreed batches in the window's engine call(s):
+
+    all-gathers per window     = H + 2 L b      (the engine's forwards and backwards; TRL's generation adds its own)
+    reduce-scatters per window = H_t + L b
+
+plus `L b'` all-gathers per no-grad scoring call of `b'` batches. Memory: the held groups' parameters and
+gradients, one decoder layer's parameters at a time (two with FSDP2's prefetch), the sharded gradients and states,
+and the activations of one batch of rows (at most `dta_max_batch_tokens`, or `dta_max_graph_tokens` in training when
+set, padded tokens, except that a root subtree larger than that is a batch of its own). The price against `"window"`:
+the collectives above, and siblings are not batched over a stored prefix (two-part attention): each root subtree is
+one tree-masked row, its attention over the whole row (on CUDA the `math` part kernel, scores materialised per row,
+unless `dta_attn_backend="triton"`, whose interval-mask kernel takes packed rows as they are).
 
 The FSDP2 internals used (`FSDPModule._get_fsdp_state`, the state's `_lazy_init` and
 `_root_post_backward_final_callback`, a parameter group's `post_forward_mesh_info`, `reshard_after_backward`,
@@ -82,32 +106,59 @@ def fsdp_modules(model) -> list:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-class _Gathered:
-    """One gathered scope of a model: its groups' schedule flags, restored when the scope ends."""
+def decoder_layers(model) -> set[int]:
+    """`id`s of the FSDP2 modules of `model` that are decoder layers (members of a `ModuleList` of its decoder)."""
+    from torch.distributed.fsdp import FSDPModule
 
-    def __init__(self, modules, train: bool):
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else None
+    if decoder is None:
+        return set()
+    lists = [c for c in decoder.children() if isinstance(c, torch.nn.ModuleList)]
+    return {id(m) for layers in lists for m in layers if isinstance(m, FSDPModule)}
+
+
+class _Gathered:
+    """One scope of a model: its held groups gathered (every group with the `"window"` schedule, all but the decoder
+    layers with `"layer"`), their schedule flags restored when the scope ends."""
+
+    def __init__(self, modules, train: bool, per_layer: set[int]):
         self.modules = modules
         self.train = train
+        self.held = [m for m in modules if id(m) not in per_layer]
+        self.layers = [m for m in modules if id(m) in per_layer]
         groups = [g for m in modules for g in m._get_fsdp_state()._fsdp_param_groups]
         self.flags = [(g, {name: getattr(g, name) for name in _GROUP_FLAGS}) for g in groups]
-        root = modules[0]
-        root._get_fsdp_state()._lazy_init()  # the root is the model, whichever module the engine calls first
-        root.set_reshard_after_forward(False)
-        root.set_reshard_after_backward(False)
-        if train:
-            root.set_requires_gradient_sync(False)
-        for m in modules:
+        modules[0]._get_fsdp_state()._lazy_init()  # the root is the model, whichever module the engine calls first
+        for m in self.held:
+            m.set_reshard_after_forward(False, recurse=False)
+            m.set_reshard_after_backward(False, recurse=False)
+        for m in self.layers:
+            m.set_reduce_scatter_unused_params(True, recurse=False)  # every rank reduces every trainable parameter
+        self.sync_off()
+        for m in self.held:
             m.unshard()
 
+    def sync_off(self) -> None:
+        """Held groups accumulate unreduced for the scope; decoder layers reduce-scatter after every backward."""
+        if self.train:
+            for m in self.held:
+                m.set_requires_gradient_sync(False, recurse=False)
+            for m in self.layers:
+                m.set_requires_gradient_sync(True, recurse=False)
+
     def close(self) -> None:
-        """Reduce the scope's gradients (training scopes) and reshard every group."""
+        """Reduce the held groups' gradients (training scopes) and reshard every group."""
         root = self.modules[0]
         if self.train:
-            root.set_requires_gradient_sync(True)
-            root.set_reduce_scatter_unused_params(True)
+            for m in self.held:
+                m.set_requires_gradient_sync(True, recurse=False)
+                m.set_reduce_scatter_unused_params(True, recurse=False)
+            for m in self.layers:  # reduced after each backward already: nothing left to reduce
+                m.set_reduce_scatter_unused_params(False, recurse=False)
             state = root._get_fsdp_state()
             state._state_ctx.is_last_backward = True
-            state._root_post_backward_final_callback()  # post-backward of every group: one reduce-scatter each
+            state._root_post_backward_final_callback()  # post-backward of every held group: one reduce-scatter each
         for m in self.modules:
             m.reshard()
         for group, flags in self.flags:
@@ -115,21 +166,38 @@ class _Gathered:
                 setattr(group, name, value)
 
 
+SCHEDULES = ("window", "layer")
+
+
 class FSDP2(Local):
-    """DTA's gathered scopes for a model sharded with FSDP2 (see the module docstring)."""
+    """DTA's schedules for a model sharded with FSDP2 (see the module docstring).
+
+    Args:
+        schedule (`str`, *optional*, defaults to `"window"`): `"window"` or `"layer"`.
+        device (`torch.device`, *optional*): where the ranks' agreement tensors live (the process group's device:
+            CPU for gloo, the GPU for NCCL); needed by `"layer"`.
+    """
 
     name = "fsdp2"
 
-    def __init__(self):
+    def __init__(self, schedule: str = "window", device=None):
         check_fsdp2_api()
+        if schedule not in SCHEDULES:
+            raise ValueError(f"`dta_fsdp_schedule` must be one of {SCHEDULES}, got {schedule!r}.")
+        self.schedule = schedule
+        self.lockstep = schedule == "layer"
+        self.device = torch.device("cpu") if device is None else torch.device(device)
         self._scopes: dict[int, _Gathered] = {}  # id(root module) -> its open scope
 
+    def _per_layer(self, model) -> set[int]:
+        return decoder_layers(model) if self.lockstep else set()
+
     def _open(self, model, train: bool) -> _Gathered | None:
-        """Open a gathered scope on `model`; None when it is not sharded or already gathered."""
+        """Open a scope on `model`; None when it is not sharded or a scope holds it already."""
         modules = fsdp_modules(model)
         if not modules or id(modules[0]) in self._scopes:
             return None
-        scope = self._scopes[id(modules[0])] = _Gathered(modules, train)
+        scope = self._scopes[id(modules[0])] = _Gathered(modules, train, self._per_layer(model))
         return scope
 
     def _close(self, scope: _Gathered | None) -> None:
@@ -137,15 +205,36 @@ class FSDP2(Local):
             del self._scopes[id(scope.modules[0])]
             scope.close()
 
+    def _reduce(self, value: int, op) -> int:
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=op)
+        return int(t.item())
+
+    def agree_max(self, n: int) -> int:
+        """The largest `n` over the ranks (the engine's `lockstep`)."""
+        import torch.distributed as dist
+
+        return self._reduce(n, dist.ReduceOp.MAX)
+
+    def all_ranks(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank (with `"layer"`: an all-reduce, so that every rank takes one path)."""
+        import torch.distributed as dist
+
+        return bool(self._reduce(int(bool(flag)), dist.ReduceOp.MIN)) if self.lockstep else flag
+
     def begin_window(self, model) -> None:
         self._open(model, train=True)
 
     @contextlib.contextmanager
     def micro_step(self, model):
-        """Keep the window's reduction off: the HF Trainer's `no_sync` turns it back on after each micro-step."""
+        """Keep the window's reduction schedule: the HF Trainer's `no_sync` turns every group's sync off and back on
+        around each micro-step."""
         modules = fsdp_modules(model)
-        if modules and id(modules[0]) in self._scopes:
-            modules[0].set_requires_gradient_sync(False)
+        scope = self._scopes.get(id(modules[0])) if modules else None
+        if scope is not None:
+            scope.sync_off()
         yield
 
     def end_window(self, model) -> None:
@@ -155,8 +244,8 @@ class FSDP2(Local):
 
     @contextlib.contextmanager
     def scoring(self, model):
-        """Around a no-grad scoring call (TRL's `_get_per_token_logps_and_entropies`, DTA or dense path): the model
-        gathered for the call unless a window holds it already."""
+        """Around a no-grad scoring call (TRL's `_get_per_token_logps_and_entropies`, DTA or dense path): the model's
+        held groups gathered for the call unless a window holds them already."""
         scope = self._open(model, train=False) if not torch.is_grad_enabled() else None
         try:
             yield
@@ -165,10 +254,12 @@ class FSDP2(Local):
 
     @contextlib.contextmanager
     def engine_call(self, engine, model, train: bool):
-        """An engine call runs inside a gathered scope (the window or a scoring call); a call outside both (a custom
-        subclass's) gets one of its own."""
+        """An engine call runs inside a scope (the window or a scoring call); a call outside both (a custom
+        subclass's) gets one of its own. With `"layer"`, in lockstep with the other ranks."""
         scope = self._open(model, train)
+        saved, engine.lockstep = engine.lockstep, (self.agree_max if self._per_layer(model) else None)
         try:
             yield
         finally:
+            engine.lockstep = saved
             self._close(scope)

@@ -119,6 +119,8 @@ class DTATrainerMixin:
     - `dta/peak_memory_mb`: peak allocated memory of a forest on CUDA; elsewhere the process's peak resident set.
     - `dta/dense_fallback`: fraction of micro-batches that ran TRL's dense path (`dta_min_compression`, or an input
       layout DTA does not handle).
+    - `dta/idle_batches` (FSDP2's per-layer schedule): row batches this rank ran without work so that its layers'
+      collectives pair with the other ranks'.
     """
 
     _dta_trl_class: type
@@ -298,26 +300,24 @@ class DTATrainerMixin:
         **multimodal,
     ):
         """TRL's `_get_per_token_logps_and_entropies`, through the engine for no-grad calls whose batch compresses."""
-        if (
-            not torch.is_grad_enabled()
-            and all(v is None for v in multimodal.values())
-        ):
+        layout = tree = None
+        if not torch.is_grad_enabled() and all(v is None for v in multimodal.values()):
             layout = Layout.from_padded(input_ids, attention_mask, logits_to_keep)
-            if layout is not None:
-                tree = PrefixTree.from_sequences(layout.seqs)
-                if tree.compression_ratio >= self._dta.dta_min_compression:
-                    engine = self._dta_engine(self.accelerator.unwrap_model(model))
-                    # TRL's aux loss (evaluation's `_compute_loss`): the mean over its chunks of `batch_size` rows
-                    rows, size = input_ids.size(0), batch_size or input_ids.size(0)
-                    chunks = [list(range(a, min(a + size, rows))) for a in range(0, rows, size)]
-                    router_loss = LoadBalancing(chunks, [1.0] * len(chunks)) if compute_aux_loss else None
-                    with self.accelerator.autocast(), self._dta_parallel.engine_call(engine, model, False):
-                        out = engine.logprobs(tree, temperature=self.temperature, entropy=compute_entropy,
-                                              n_scored=layout.lengths, router_loss=router_loss)
-                    logps = layout.gather(out.logps, input_ids.device)
-                    entropies = layout.gather(out.entropies, input_ids.device) if compute_entropy else None
-                    aux_loss = out.router_aux.mean().to(input_ids.device, torch.float32) if compute_aux_loss else None
-                    return logps, entropies, aux_loss
+            tree = PrefixTree.from_sequences(layout.seqs) if layout is not None else None
+        compresses = tree is not None and tree.compression_ratio >= self._dta.dta_min_compression
+        if self._dta_parallel.all_ranks(compresses):  # lockstep strategies: every rank takes one path
+            engine = self._dta_engine(self.accelerator.unwrap_model(model))
+            # TRL's aux loss (evaluation's `_compute_loss`): the mean over its chunks of `batch_size` rows
+            rows, size = input_ids.size(0), batch_size or input_ids.size(0)
+            chunks = [list(range(a, min(a + size, rows))) for a in range(0, rows, size)]
+            router_loss = LoadBalancing(chunks, [1.0] * len(chunks)) if compute_aux_loss else None
+            with self.accelerator.autocast(), self._dta_parallel.engine_call(engine, model, False):
+                out = engine.logprobs(tree, temperature=self.temperature, entropy=compute_entropy,
+                                      n_scored=layout.lengths, router_loss=router_loss)
+            logps = layout.gather(out.logps, input_ids.device)
+            entropies = layout.gather(out.entropies, input_ids.device) if compute_entropy else None
+            aux_loss = out.router_aux.mean().to(input_ids.device, torch.float32) if compute_aux_loss else None
+            return logps, entropies, aux_loss
         return super()._get_per_token_logps_and_entropies(
             model,
             input_ids,
@@ -439,10 +439,11 @@ class DTATrainerMixin:
         for step, batch, layout in zip(steps, batches, layouts):
             self._dta_micro_steps[step] = _MicroStep(batch)
         kept = [k for k, layout in enumerate(layouts) if layout is not None]
-        if not kept:
-            return
-        forest = StepForest([steps[k] for k in kept], [batches[k] for k in kept], [layouts[k] for k in kept])
-        if forest.tree.compression_ratio < self._dta.dta_min_compression:
+        forest = None
+        if kept and (len(kept) == len(layouts) or not self._dta_parallel.lockstep):  # lockstep: all or none dense
+            forest = StepForest([steps[k] for k in kept], [batches[k] for k in kept], [layouts[k] for k in kept])
+        compresses = forest is not None and forest.tree.compression_ratio >= self._dta.dta_min_compression
+        if not self._dta_parallel.all_ranks(compresses):
             return
 
         device = self.accelerator.device
@@ -462,6 +463,7 @@ class DTATrainerMixin:
                 out = engine.forward_backward(forest.tree, forest.objective(terms), entropy=True,
                                               router_loss=router_loss, **run)
             forward_tokens, aux = out.stats["forward_tokens"], out.router_aux
+            idle = out.stats["idle_batches"]
         else:
             with self.accelerator.autocast(), call(engine, model, False):
                 out = engine.logprobs(forest.tree, entropy=True, **run)
@@ -471,6 +473,7 @@ class DTATrainerMixin:
                 second = engine.forward_backward(forest.tree, surrogate, entropy=entropy, router_loss=router_loss,
                                                  **run)
             forward_tokens, aux = forward_tokens + second.stats["forward_tokens"], second.router_aux
+            idle = out.stats["idle_batches"] + second.stats["idle_batches"]
         logps = forest.split(out.logps, out_device)
         entropies = forest.split(out.entropies, out_device)
         seconds = time.perf_counter() - start  # the engine's work; the per-micro-batch trees below are metrics only
@@ -488,6 +491,8 @@ class DTATrainerMixin:
         metrics["dta/tokens"].append(float(forest.tree.n_tokens))
         metrics["dta/tree_tokens"].append(float(forest.tree.n_tree_tokens))
         metrics["dta/forward_tokens"].append(float(forward_tokens))
+        if self._dta_parallel.lockstep:
+            metrics["dta/idle_batches"].append(float(idle))
         metrics["dta/micro_batches_per_forest"].append(float(len(forest.steps)))
         metrics["dta/peak_memory_mb"].append(_peak_memory_mb(device))
 

@@ -150,6 +150,18 @@ class DTAArguments:
         },
     )
 
+    # Distributed engines
+    dta_fsdp_schedule: str = field(
+        default="window",
+        metadata={
+            "help": "Under FSDP2 (accelerate `fsdp_version: 2`; ignored otherwise): 'window' gathers the whole model "
+            "once per optimizer step and reduce-scatters each group once (fewest collectives; memory of the "
+            "unsharded parameters and gradients during the step); 'layer', for models too large to hold gathered, "
+            "gathers each decoder layer inside every forward and backward (FSDP2's own schedule, the ranks' engine "
+            "calls in lockstep over packed rows). See `trl_dta.parallel.fsdp2` for the collective counts and memory."
+        },
+    )
+
     # Training rows of multi-turn episodes
     dta_sample_layout: str = field(
         default="episode",
@@ -209,6 +221,7 @@ class DTAArguments:
         for name in ("dta_enabled", "dta_group_shuffle", "dta_balance"):
             check_bool(name, getattr(self, name))
         check_choice("dta_sample_layout", self.dta_sample_layout, SAMPLE_LAYOUTS)
+        check_choice("dta_fsdp_schedule", self.dta_fsdp_schedule, ("window", "layer"))
         if self.dta_sample_layout == "per_turn" and self.dta_group_shuffle:
             raise ValueError(
                 "`dta_group_shuffle=True` regroups episodes, not turns: it cannot be combined with "
@@ -259,6 +272,7 @@ _SECTIONS = (
      ("dta_block_size", "dta_max_batch_tokens", "dta_max_pack_tokens", "dta_max_graph_tokens")),
     ("Parameters that choose the engine's attention kernels", ("dta_attn_backend",)),
     ("Parameters that regroup rows (micro-batches, ranks)", ("dta_group_shuffle", "dta_balance", "dta_cost_model")),
+    ("Parameters of distributed engines", ("dta_fsdp_schedule",)),
     ("Parameters that shape the training rows of multi-turn episodes", ("dta_sample_layout",)),
     ("Parameters that sample completions as trees (tree rollouts)",
      ("dta_tree_branching", "dta_tree_segment_length", "dta_tree_advantage")),
