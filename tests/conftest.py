@@ -108,3 +108,11 @@ def shared_batch(seed: int = 0) -> list[torch.Tensor]:
         torch.cat([prompt, rnd(17)]),  # longer than the sliding windows
     ]
     return seqs
+
+
+@pytest.fixture(scope="module")
+def domain():
+    """The offline agent domain (`trl_dta.envs.RetailDomain`, seed 0), one per test module."""
+    from trl_dta.envs import RetailDomain
+
+    return RetailDomain(seed=0)

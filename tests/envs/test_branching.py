@@ -6,20 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trl_dta.envs import AgentRolloutFunc, RetailDomain, model_generate_fn, play_episodes
-from trl_dta.tiny import build_model, build_tokenizer
+from trl_dta.envs import AgentRolloutFunc, model_generate_fn, play_episodes
+from trl_dta.tiny import build_model
 
 from .test_rollout import Recorder, gold_scripts, scripted
-
-
-@pytest.fixture(scope="module")
-def domain():
-    return RetailDomain(seed=0)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_tokenizer()
 
 
 def test_copy_is_independent(domain):

@@ -16,11 +16,6 @@ from trl_dta.tiny import ALPHABET, build_tokenizer
 TASKS = range(24)
 
 
-@pytest.fixture(scope="module")
-def domain():
-    return RetailDomain(seed=0)
-
-
 def _play(domain, task_id, turns, **kwargs):
     env = domain.episode(task_id, **kwargs)
     for turn in turns:

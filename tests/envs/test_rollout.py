@@ -9,19 +9,9 @@ import pytest
 import torch
 
 from trl_dta import PrefixTree
-from trl_dta.envs import Generation, RetailDomain, layout_sequences, model_generate_fn, play_episodes
+from trl_dta.envs import Generation, layout_sequences, model_generate_fn, play_episodes
 from trl_dta.envs.protocol import render_reply
-from trl_dta.tiny import build_model, build_tokenizer
-
-
-@pytest.fixture(scope="module")
-def domain():
-    return RetailDomain(seed=0)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_tokenizer()
+from trl_dta.tiny import build_model
 
 
 class Recorder:

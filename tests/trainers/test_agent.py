@@ -21,7 +21,7 @@ import torch
 from peft import LoraConfig
 from trl import GRPOConfig, GRPOTrainer
 
-from trl_dta.envs import RetailDomain, build_dataset, episode_reward
+from trl_dta.envs import build_dataset, episode_reward
 from trl_dta.tiny import build_default_model_dir, build_tokenizer
 from trl_dta.trainers import DTAGRPOConfig, DTAGRPOTrainer, DTARLOOConfig
 
@@ -38,11 +38,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def domain():
-    return RetailDomain(seed=0)
 
 
 @pytest.fixture(scope="module")

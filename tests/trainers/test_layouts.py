@@ -89,11 +89,6 @@ class ReplayRollout:
 
 
 @pytest.fixture(scope="module")
-def domain():
-    return RetailDomain(seed=0)
-
-
-@pytest.fixture(scope="module")
 def tokenizer():
     return build_tokenizer()
 
