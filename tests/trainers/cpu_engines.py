@@ -99,21 +99,27 @@ class CollectiveCounter:
             setattr(dist, name, counted)
 
     def count_training(self, trainer) -> None:
-        counter, cls = self, type(trainer)
+        active_in_optimizer_steps(trainer, self)
 
-        class Counted(cls):
-            def training_step(self, *args, **kwargs):
-                counter.active = True
-                try:
-                    return super().training_step(*args, **kwargs)
-                finally:
-                    counter.active = False
 
-            def _prepare_inputs(self, *args, **kwargs):
-                active, counter.active = counter.active, False
-                try:
-                    return super()._prepare_inputs(*args, **kwargs)
-                finally:
-                    counter.active = active
+def active_in_optimizer_steps(trainer, holder) -> None:
+    """Set `holder.active` inside the trainer's `training_step` except in its `_prepare_inputs` (generation and
+    scoring): the optimizer steps' forward/backward and gradient reduction (the trainer's class is subclassed)."""
+    cls = type(trainer)
 
-        trainer.__class__ = Counted
+    class InOptimizerSteps(cls):
+        def training_step(self, *args, **kwargs):
+            holder.active = True
+            try:
+                return super().training_step(*args, **kwargs)
+            finally:
+                holder.active = False
+
+        def _prepare_inputs(self, *args, **kwargs):
+            active, holder.active = holder.active, False
+            try:
+                return super()._prepare_inputs(*args, **kwargs)
+            finally:
+                holder.active = active
+
+    trainer.__class__ = InOptimizerSteps

@@ -29,7 +29,12 @@ from accelerate import PartialState
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import LEARNING_RATE, PAD, PRECISIONS, build_tokenizer, make_args  # noqa: E402
-from cpu_engines import CollectiveCounter, assert_fsdp2, enable_cpu_engines  # noqa: E402
+from cpu_engines import (  # noqa: E402
+    CollectiveCounter,
+    active_in_optimizer_steps,
+    assert_fsdp2,
+    enable_cpu_engines,
+)
 
 GROUPS, G, PROMPT, COMPLETION = 4, 4, (10, 24), (1, 7)
 SPLIT_COMPRESSION = 3.2  # between the two ranks' forest compressions on the fixed batch (`dta_layer_split`)
@@ -315,7 +320,7 @@ class PrecisionProbe:
     `nn.Linear` call, the dtype of the weight it multiplied by, of its output, and whether autocast was on."""
 
     def __init__(self, trainer):
-        probe, cls = self, type(trainer)
+        probe = self
         self.calls: set[tuple[str, str, bool]] = set()
         self.active = False
 
@@ -327,22 +332,7 @@ class PrecisionProbe:
         model = trainer.accelerator.unwrap_model(trainer.model)
         self.handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, torch.nn.Linear)]
 
-        class Probed(cls):
-            def training_step(self, *args, **kwargs):
-                probe.active = True
-                try:
-                    return super().training_step(*args, **kwargs)
-                finally:
-                    probe.active = False
-
-            def _prepare_inputs(self, *args, **kwargs):
-                active, probe.active = probe.active, False
-                try:
-                    return super()._prepare_inputs(*args, **kwargs)
-                finally:
-                    probe.active = active
-
-        trainer.__class__ = Probed
+        active_in_optimizer_steps(trainer, self)
 
     def result(self, trainer) -> dict:
         """The calls seen, with accelerate's precision, the stored parameters' dtypes and the engine's own setting
