@@ -128,8 +128,9 @@ class TreeWalk:
 
     def run(self) -> WalkResult:
         with torch.set_grad_enabled(self.train), self.precision.forward():
-            todo: list[tuple[str, int]] = [("children", -1)] if self.lockstep is None else []
+            todo: list[tuple[str, int]] = [("children", -1)]  # the depth-first schedule, from the empty path
             if self.lockstep is not None:
+                todo = []
                 self._run_lockstep()
             while todo:
                 kind, s = todo.pop()
