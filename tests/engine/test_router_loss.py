@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 
+from bounds import chain_bound, max_sharing
 from conftest import VOCAB
 from moe_models import MOE_FAMILIES, MOE_WITHOUT_AUX
 from reference import compare_grads, grads_of
@@ -81,6 +82,21 @@ def dense_router_loss(model, seqs, groups, coefs):
     return torch.stack([v.detach() for v in values]), grads_of(model)
 
 
+def float32_tolerances(model, seqs) -> tuple[float, float]:
+    """How far DTA's float32 router loss (value, gradients) may be from transformers' float32 computation of it
+    (`bounds.chain_bound`; the MoE routers take their softmax in float32 even in a float64 model, so no float64
+    reference of these models is exact). The longest chain of a value: every layer's projections and attention
+    (hidden + intermediate + the longest sequence, per layer), the router's logits (hidden) and softmax (experts), the
+    mean over all tokens, the sum over experts, and DTA's sum over the sequences that share a token; gradients go
+    back along the same chain (2x)."""
+    c = model.config
+    experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None) or getattr(c, "n_routed_experts")
+    inner = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
+    k = (c.num_hidden_layers * (c.hidden_size + inner + max(map(len, seqs))) + c.hidden_size + 2 * experts
+         + sum(map(len, seqs)) + max_sharing(seqs) + 10)
+    return chain_bound(k), chain_bound(2 * k)
+
+
 def zero_loss(i, lp, ent):
     return lp.sum() * 0.0
 
@@ -98,10 +114,11 @@ def test_router_gradient_equals_dense(family, budget):
         out = engine_for(model, budget).forward_backward(
             seqs, zero_loss, router_loss=LoadBalancing(groups, coefs))
         assert out.stats["compression_ratio"] > 1.2
-        assert torch.allclose(out.router_aux, want_aux.to(out.router_aux.dtype), rtol=1e-6, atol=0)
-        assert torch.allclose(out.loss, (torch.tensor(coefs) * want_aux).sum(), rtol=1e-6)
+        value_tol, grad_tol = float32_tolerances(model, seqs)
+        assert torch.allclose(out.router_aux, want_aux.to(out.router_aux.dtype), rtol=value_tol, atol=0)
+        assert torch.allclose(out.loss, (torch.tensor(coefs) * want_aux).sum(), rtol=value_tol)
         err, where = compare_grads(grads_of(model), want)
-        assert err <= 1e-5, f"seed {seed}: router-loss gradients differ by {err:.3g} (at {where})"
+        assert err <= grad_tol, f"seed {seed}: router-loss gradients differ by {err:.3g} (at {where})"
         assert any("gate" in n or "router" in n for n in want)  # the routers themselves receive a gradient
 
 
@@ -125,9 +142,10 @@ def test_router_loss_adds_to_the_policy_loss(family):
     want = grads_of(model)
     model.zero_grad(set_to_none=True)
     out = DTAEngine(model).forward_backward(seqs, loss_fn, router_loss=LoadBalancing(groups, coefs))
-    assert torch.allclose(out.loss, total.detach(), rtol=1e-5)
+    value_tol, grad_tol = float32_tolerances(model, seqs)
+    assert torch.allclose(out.loss, total.detach(), rtol=value_tol)
     err, where = compare_grads(grads_of(model), want)
-    assert err <= 1e-5, f"gradients differ by {err:.3g} (at {where})"
+    assert err <= grad_tol, f"gradients differ by {err:.3g} (at {where})"
 
 
 @pytest.mark.parametrize("family", list(MOE_FAMILIES))
@@ -139,7 +157,7 @@ def test_logprobs_returns_the_router_loss(family):
         want = torch.stack([dense_aux(model, seqs, g) for g in groups])
     engine = DTAEngine(model)
     out = engine.logprobs(seqs, router_loss=LoadBalancing(groups, [1.0] * 3))
-    assert torch.allclose(out.router_aux, want.to(out.router_aux.dtype), rtol=1e-6, atol=0)
+    assert torch.allclose(out.router_aux, want.to(out.router_aux.dtype), rtol=float32_tolerances(model, seqs)[0], atol=0)
     assert out.stats["forward_tokens"] == out.stats["tree_tokens"]
 
 
