@@ -260,6 +260,15 @@ MODEL_SHAPES: dict[str, ModelShape] = {
     "bench-cpu": ModelShape(512, 1408, 8, 8, 2, 64, 8192, name="bench-cpu"),
     # The `--quick` benchmark model.
     "bench-cpu-quick": ModelShape(256, 704, 4, 4, 2, 64, 4096, name="bench-cpu-quick"),
+    # The hybrid benchmark's models (benchmarks/bench_hybrid.py), the width and depth of `bench-cpu-quick`: Qwen3.5's
+    # three Gated DeltaNet layers per full-attention layer, and Nemotron-H's Mamba2 / MLP / Mamba2 / attention blocks.
+    "bench-qwen3.5-quick": ModelShape(256, 704, 4, 4, 2, 64, 4096, name="bench-qwen3.5-quick", attention_layers=1,
+                                      recurrent_layers=3, recurrent_kind="gated_deltanet", recurrent_heads=4,
+                                      recurrent_groups=2, recurrent_key_dim=64, recurrent_value_dim=64),
+    "bench-nemotron-h-quick": ModelShape(256, 704, 4, 4, 2, 64, 4096, name="bench-nemotron-h-quick",
+                                         attention_layers=1, mlp_layers=1, recurrent_layers=2, recurrent_kind="mamba2",
+                                         recurrent_heads=8, recurrent_groups=2, recurrent_key_dim=64,
+                                         recurrent_value_dim=64, chunk_size=128),
     # transformers' `Qwen3_5TextConfig()` defaults (its docstring: the Qwen3.5-9B style configuration): 32 layers,
     # 3 Gated DeltaNet layers per full-attention layer.
     "qwen3.5-9b": ModelShape(4096, 12288, 32, 16, 4, 256, 248320, name="qwen3.5-9b", attention_layers=8,
