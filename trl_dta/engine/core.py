@@ -115,6 +115,10 @@ class DTAEngine:
     the processes (an all-reduce); each call then runs its tree as batches of packed subtree rows, as many as every
     process runs (`engine/walk.py`, "Lockstep"; stat `idle_batches`). Exact like every schedule.
 
+    Hybrid models (recurrent layers beside attention, `trl_dta.recurrent.RECURRENT_FAMILIES`): the recurrent layers'
+    states are carried along the tree (`engine.layout`); `max_pack_tokens` has no effect on them (a recurrence cannot
+    follow a tree mask, so every internal segment is walked and only leaves are batched) and `lockstep` is refused.
+
     Precision: each call runs the model under the autocast its dense forward would run under, the caller's (e.g.
     `accelerator.autocast()`) or the one accelerate's mixed-precision wrapper puts around a prepared model's forward
     (`trl_dta.precision`); the loss and the backward run outside autocast, as `accelerator.backward` does.
