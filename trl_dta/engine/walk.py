@@ -139,12 +139,7 @@ class TreeWalk:
     def run(self) -> WalkResult:
         with torch.set_grad_enabled(self.train), self.precision.forward():
             todo: list[tuple[str, int]] = [("children", -1)]  # the depth-first schedule, from the empty path
-            if self.lockstep is not None:
-                if self.layout.hybrid:
-                    raise NotImplementedError(
-                        "lockstep: a hybrid model's recurrent layers cannot run packed subtree rows (a recurrence "
-                        "cannot follow a tree mask); use a schedule that walks the tree."
-                    )
+            if self.lockstep is not None:  # never for a hybrid (`DTAEngine` refuses it)
                 todo = []
                 self._run_lockstep()
             while todo:
