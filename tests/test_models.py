@@ -63,6 +63,15 @@ REFUSED = {
                       "s_aux"),
     "mamba": (lambda: transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2),
               "linear_attention"),
+    # Hybrids outside `recurrent.RECURRENT_FAMILIES`: Jamba's Mamba (v1) layers, MiniMax's lightning attention (a
+    # cache seam of its own, `get_linear_cache`).
+    "jamba": (lambda: transformers.JambaConfig(**SMALL, intermediate_size=48, num_key_value_heads=2, attn_layer_period=2,
+                                               attn_layer_offset=1, num_experts=1, mamba_d_state=8, mamba_dt_rank=4),
+              "linear_attention"),
+    "minimax": (lambda: transformers.MiniMaxConfig(**SMALL, intermediate_size=48, num_key_value_heads=2, head_dim=8,
+                                                   num_local_experts=2, num_experts_per_tok=1,
+                                                   layer_types=["linear_attention", "full_attention"]),
+                "linear_attention"),
     "mixtral-jitter": (lambda: MOE_FAMILIES["mixtral"](VOCAB, router_jitter_noise=0.1), "router_jitter_noise=0.1"),
 }
 
@@ -193,17 +202,23 @@ def test_peft_model_passes():
     check_model_support(model.get_base_model())
 
 
-def test_hybrid_refusal_names_only_the_layers_dta_cannot_run():
-    """A state-space + attention + MoE + MLP hybrid (Nemotron-H) is refused for its state-space layers alone: the
-    message names them and not the position-wise MLP/MoE layers, which DTA runs."""
+def test_hybrid_with_moe_and_mlp_layers_runs():
+    """A state-space + attention + MoE + MLP hybrid (Nemotron-H) passes: its Mamba2 layers walk the tree with their
+    states (`tests/recurrent/`), the position-wise MLP/MoE layers run as they are."""
     config = transformers.NemotronHConfig(
         vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
         layers_block_type=["mamba", "moe", "attention", "mlp"], mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8,
         n_groups=1, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
         moe_shared_expert_intermediate_size=16, intermediate_size=32, use_mamba_kernels=False)
     assert {"moe", "mlp"} <= set(config.layer_types)
+    check_model_support(build(config, attn=None))
+
+
+def test_hybrid_refusal_names_only_the_layers_dta_cannot_run():
+    """A hybrid outside the recurrent families (Jamba) is refused for its state-space layers alone: the message names
+    them and the families that run, not the attention layers."""
     with pytest.raises(NotImplementedError) as err:
-        check_model_support(build(config, attn=None))
+        check_model_support(build(REFUSED["jamba"][0]()))
     message = str(err.value)
     assert "['linear_attention'] layers" in message and "state-space" in message, message
-    assert "'moe'" not in message and "'mlp'" not in message, message
+    assert "'full_attention'] layers" not in message and "nemotron_h" in message, message

@@ -209,7 +209,12 @@ def _dtype(run: Run) -> torch.dtype:
 def tokens_per_step(run: Run) -> int:
     """An upper bound on the tokens one optimizer step sums over: the most tokens of one generation (TRL's cumulative
     `num_tokens` counts prompts and completions once per generation, which covers one or more steps)."""
-    seen = [0] + [entry["num_tokens"] for entry in run.logs if "num_tokens" in entry]
+    return tokens_per_step_of(run.logs)
+
+
+def tokens_per_step_of(logs: list[dict]) -> int:
+    """`tokens_per_step` from logged entries."""
+    seen = [0] + [entry["num_tokens"] for entry in logs if "num_tokens" in entry]
     assert len(seen) > 1, "the run logged no `num_tokens`"
     return int(max(b - a for a, b in zip(seen, seen[1:])) or seen[-1])
 
@@ -220,6 +225,14 @@ def rows_per_step(run: Run) -> int:
     return args.per_device_train_batch_size * args.gradient_accumulation_steps * run.trainer.accelerator.num_processes
 
 
+def float64_rtol_of(config, tokens: int) -> float:
+    """`float64_rtol` from a model's text config and the tokens of a step."""
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+    layers = config.num_hidden_layers
+    k = config.vocab_size + tokens + 2 * (2 * layers + 1) + (layers * (config.hidden_size + experts) if experts else 0)
+    return chain_bound(k + 10, torch.float32)
+
+
 def float64_rtol(run: Run, tokens: int | None = None) -> float:
     """How far apart two float64 trainings of the same data (TRL's and DTA's) may end, relative to each tensor's
     update and to each logged value: a float64 model still takes float32 steps, TRL's fused LM head (its softmax
@@ -228,12 +241,7 @@ def float64_rtol(run: Run, tokens: int | None = None) -> float:
     in MoE models the routers' float32 softmax (their logits over the hidden size, the experts). Float64's own
     rounding is 2**29 times smaller. So `bounds.chain_bound(k)` in float32 with k = vocabulary + tokens per step +
     2 (2 L + 1) + L (hidden + experts) + 10 (`tokens`: the step's tokens, default `tokens_per_step`)."""
-    c = _text_config(run)
-    experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None) or 0
-    layers = c.num_hidden_layers
-    tokens = tokens_per_step(run) if tokens is None else tokens
-    k = c.vocab_size + tokens + 2 * (2 * layers + 1) + (layers * (c.hidden_size + experts) if experts else 0) + 10
-    return chain_bound(k, torch.float32)
+    return float64_rtol_of(_text_config(run), tokens_per_step(run) if tokens is None else tokens)
 
 
 def float32_rtol(run: Run, tokens: int | None = None) -> float:

@@ -191,7 +191,12 @@ class DTATrainerMixin:
             )
         _checks.check_no_dropout(model, f"Set `disable_dropout=True`, {_OFF}", training_only=False)
         HeadSpec.from_model(model.get_base_model() if is_peft_model(model) else model)
-        self._dta_engine(model)
+        if self._dta_engine(model).layout.hybrid and getattr(self._dta_parallel, "lockstep", False):
+            raise ValueError(
+                "dta_fsdp_schedule='layer' runs packed subtree rows in lockstep across the ranks, which the recurrent "
+                "layers of this hybrid model cannot run exactly (a recurrence cannot follow a tree mask). Use "
+                f"dta_fsdp_schedule='window' (the default), {_OFF}"
+            )
         self._dta_cost_model = CostModel(hidden_size=model.config.get_text_config().hidden_size)
         if self._dta.dta_group_shuffle:
             reason = regrouping_changes(self, across_ranks=False)
