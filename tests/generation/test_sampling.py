@@ -125,3 +125,37 @@ def test_beams_are_refused(tokenizer):
     generate = CachedGenerate(model, tokenizer, GenerationConfig(do_sample=True, num_beams=2))
     with pytest.raises(ValueError, match="num_beams=1"):
         generate([[5, 6, 7]], [3])
+
+
+def test_tree_sampling_level_by_level(tokenizer):
+    """The tree samplers' use (`CachedGenerate.generate` per level, parents' prefixes repeated per child, a config
+    per level): the raw logits of every sampled token equal the model's full-sequence forward (float64 logits cast
+    to float32, as `generate` casts them: equal to float32 rounding), the prompt is one node, each branched parent's
+    segment another, and no token is forwarded twice: the prompts' distinct prefixes once, every sampled token once
+    (a parent's last token once, when it branches), but a leaf's last token never."""
+    from trl_dta.tree import PrefixTree
+
+    model = tiny.build_model(tokenizer, dtype=torch.float64, max_position_embeddings=512, seed=2).eval()
+    generate = CachedGenerate(model, tokenizer, GenerationConfig(do_sample=True, top_k=0, temperature=1.0))
+    prompts = [list(range(5, 30)), list(range(5, 22))]
+    level = GenerationConfig(do_sample=True, top_k=0, temperature=1.0, output_logits=True, return_dict_in_generate=True,
+                             min_new_tokens=3)
+    torch.manual_seed(0)
+    prefixes, sampled = [p for p in prompts for _ in range(2)], 0
+    for depth, (children, budget) in enumerate([(2, 4), (3, 5)]):
+        if depth:
+            prefixes = [p for p in prefixes for _ in range(children)]
+        out = generate.generate(prefixes, [budget] * len(prefixes), generation_config=level)
+        width = out.sequences.shape[1] - len(out.logits)
+        for row, prefix in enumerate(prefixes):
+            for step, token in enumerate(out.sequences[row, width:].tolist()[:budget]):
+                full = model(torch.tensor([prefix + out.sequences[row, width:width + step].tolist()])).logits[0, -1]
+                torch.testing.assert_close(out.logits[step][row], full.float(), rtol=1e-6, atol=1e-6)
+                if token == tokenizer.eos_token_id:
+                    break
+        kept = [generate.cache.tokens(row)[len(prefix):] for row, prefix in zip(generate._rows, prefixes)]
+        sampled += sum(map(len, kept))
+        prefixes = [list(prefix) + turn for prefix, turn in zip(prefixes, kept)]
+    prompt_tokens = PrefixTree.from_sequences([torch.tensor(p) for p in prompts]).n_tree_tokens
+    assert generate.cache.stats.forward_tokens == prompt_tokens + sampled - len(prefixes)
+    assert sum(node.parent is None for node in generate.cache.nodes) == 1  # the prompts' common prefix, once

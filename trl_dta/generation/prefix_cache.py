@@ -56,6 +56,10 @@ grandkids = cache.branch(kids, [2, 2, 2, 2])  # each kid's segment (and its last
 cache.release(rows)                           # rows that ended: their slots are reused
 ```
 
+With TRL's sampling settings, use [`~generation.CachedGenerate`] instead of sampling by hand: its `generate` runs
+`model.generate`'s own logits processors and stopping criteria over this cache, and branches a row whenever a call's
+prefixes repeat it (one prefix per child), so a tree sampler calls it once per level.
+
 `add_prompts(prompts)` builds the usual agent forest in one call: the prompts' longest common prefix (the system
 prompt) and each distinct prompt's rest become nodes, prefilled once; one row per prompt. Branching freezes a row's
 own part into a node: its keys/values are moved out of the rows' buffer once (a copy of that segment, not of anything

@@ -60,6 +60,13 @@ class _Setup:
         self.stop_ids = sorted(set(eos if isinstance(eos, (list, tuple)) else [eos]))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
+    @classmethod
+    def like(cls, other: _Setup, generation_config) -> _Setup:
+        """`other`'s stop and pad ids with another generation config."""
+        setup = copy.copy(other)
+        setup.base = copy.deepcopy(generation_config)
+        return setup
+
     def batch(self, prefixes: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded `(B, width)` ids and attention mask."""
         width = max(map(len, prefixes))
@@ -123,9 +130,15 @@ class CachedGenerate:
     extends are released, and prefixes that extend none start new rows (the first call's prompts: their common prefix
     and each distinct prompt become shared nodes, see [`PrefixCache.add_prompts`]).
 
+    Tree samplers call [`generate`] level by level: a level's prefixes are its parents' (prompt + sampled segments),
+    each repeated once per child, so every parent's row branches (`PrefixCache.branch`: its segment, with its last
+    sampled token forwarded once, becomes a node the children share, never copied per child) and the prompt and every
+    segment are held and forwarded once; `generation_config=` per call adapts `max_new_tokens` / `min_new_tokens` to
+    the level, and `output_logits=True` returns the raw logits of every sampled token.
+
     Args:
         model ([`~transformers.PreTrainedModel`]): the policy (its mode is left as it is).
-        tokenizer: its tokenizer (pad and eos ids).
+        tokenizer: its tokenizer (pad and eos ids; any object with `eos_token_id` and `pad_token_id`).
         generation_config ([`~transformers.GenerationConfig`], *optional*): as in [`reprefill_generate_fn`].
         chunk_tokens (`int`, *optional*, defaults to `512`), max_batch_tokens (`int`, *optional*, defaults to
             `8192`): the cache's prefill chunk per row and tokens per forward ([`PrefixCache`]).
@@ -143,11 +156,32 @@ class CachedGenerate:
         self._rows: list[int] = []  # the previous call's rows, in its order
 
     def __call__(self, prefixes: list[list[int]], max_new_tokens: list[int]) -> list[Generation]:
+        """One turn per prefix (the [`GenerateFn`] contract): cut after its first stop token and at its budget, with
+        the processed log-probs of its tokens."""
+        out = self.generate(prefixes, max_new_tokens)
+        return self.setup.cut(out, max(map(len, prefixes)), max_new_tokens)
+
+    def generate(self, prefixes: list[list[int]], max_new_tokens: list[int], generation_config=None):
+        """`model.generate` on the left-padded prefixes, decoded over the cache (what `__call__` cuts).
+
+        Args:
+            prefixes (`list[list[int]]`): the prefixes (see the class docstring for how they are matched).
+            max_new_tokens (`list[int]`): each prefix's budget; `generate`'s `max_new_tokens` is the largest.
+            generation_config ([`~transformers.GenerationConfig`], *optional*): this call's settings instead of the
+                generator's (e.g. a tree sampler's `min_new_tokens` per level); stop and pad ids as the generator's.
+
+        Returns:
+            transformers' `GenerateDecoderOnlyOutput`: `sequences` `(B, width + steps)` (the padded prefixes, then the
+            sampled tokens, pad after a row's stop token), `scores` (processed, one `(B, vocab)` per step) and, with
+            `output_logits=True` in the config, `logits` (raw, float32). A row's tokens past its own budget are not in
+            the cache (they are cut by `__call__`).
+        """
         if len(prefixes) != len(max_new_tokens) or not prefixes:
             raise ValueError(f"got {len(prefixes)} prefixes and {len(max_new_tokens)} budgets (at least one each).")
         budgets = [check_int("max_new_tokens[]", b, minimum=1) for b in max_new_tokens]
+        setup = self.setup if generation_config is None else _Setup.like(self.setup, generation_config)
         rows = self._rows_for(prefixes)
-        input_ids, attention_mask = self.setup.batch(prefixes, self.model.device)
+        input_ids, attention_mask = setup.batch(prefixes, self.model.device)
 
         def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
             return _sample(self.cache, rows, budgets, input_ids, logits_processor, stopping_criteria,
@@ -155,13 +189,15 @@ class CachedGenerate:
 
         with torch.no_grad():
             out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                      generation_config=self.setup.config(budgets), custom_generate=decode)
-        generations = self.setup.cut(out, input_ids.shape[1], budgets)
-        for row, prefix, generation in zip(rows, prefixes, generations):
-            if len(self.cache.tokens(row)) != len(prefix) + len(generation.ids):
+                                      generation_config=setup.config(budgets), custom_generate=decode)
+        width = input_ids.shape[1]
+        for row, prefix in enumerate(prefixes):
+            kept = out.sequences[row, width:width + budgets[row]].tolist()
+            end = next((k + 1 for k, token in enumerate(kept) if token in setup.stop_ids), len(kept))
+            if len(self.cache.tokens(rows[row])) != len(prefix) + end:
                 raise RuntimeError("the generation cache lost track of a row; please report this.")
         self._rows = rows
-        return generations
+        return out
 
     def _rows_for(self, prefixes: list[list[int]]) -> list[int | None]:
         """The row each prefix continues (new tokens appended as pending), branching and releasing as needed."""
@@ -205,11 +241,13 @@ def _sample(cache: PrefixCache, rows: list[int], budgets: list[int], input_ids, 
     unfinished = torch.ones(batch, dtype=torch.long, device=device)
     kept = [0] * batch
     needed = list(range(batch))  # rows whose next token is kept (not finished, within their own budget)
-    scores = ()
+    scores, raw = (), ()
     logits = cache.logits(rows)
     while True:
         next_logits = torch.zeros(batch, logits.shape[-1], dtype=torch.float32, device=device)
         next_logits[needed] = logits.to(device=device, dtype=torch.float32)
+        if generation_config.output_logits:
+            raw += (next_logits.clone(),)
         next_scores = logits_processor(input_ids, next_logits)
         if generation_config.output_scores:
             scores += (next_scores,)
@@ -228,7 +266,8 @@ def _sample(cache: PrefixCache, rows: list[int], budgets: list[int], input_ids, 
         if not needed or int(unfinished.max()) == 0:
             break
         logits = cache.logits([rows[b] for b in needed])
-    return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores if generation_config.output_scores else None)
+    return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores if generation_config.output_scores else None,
+                                     logits=raw if generation_config.output_logits else None)
 
 
 @contextlib.contextmanager
