@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -116,6 +117,8 @@ class Episode:
         end_reason (`str`): `"user_stop"`, `"max_turns"` or `"max_tokens"`.
         reward: the episode's grade: a [`RewardBreakdown`] for the stand-in retail domain, tau2's `RewardInfo` for
             the tau2 domains (both have `.reward`).
+        shaped (`dict[str, float]`, *optional*): tau2 episodes: the shaped credits (`protocol`, `tools`,
+            `arguments`; the stand-in's are in its `RewardBreakdown`).
     """
 
     task_id: int | str
@@ -127,6 +130,7 @@ class Episode:
     messages: list[tuple[str, str]] = field(default_factory=list)
     end_reason: str = ""
     reward: object = None
+    shaped: dict | None = None
 
 
 def _append(episode: Episode, ids: Sequence[int], from_policy: bool, logprobs: Sequence[float] | None) -> None:
@@ -267,6 +271,7 @@ def play_episodes(
     max_tokens: int = 1024,
     branching: Sequence[int] | None = None,
     branch_turns: int = 1,
+    timings: dict | None = None,
 ) -> list[Episode]:
     """Plays `num_generations` episodes of every task of the stand-in retail domain with the policy behind `generate`
     (or, with `branching`, a tree of `prod(branching)` episodes per task, see the module docstring).
@@ -285,6 +290,7 @@ def play_episodes(
         max_tokens (`int`, *optional*, defaults to `1024`): tokens per episode, prompt included.
         branching (`Sequence[int]`, *optional*): tree rollouts: episodes per level (`num_generations` must be 1).
         branch_turns (`int`, *optional*, defaults to `1`): agent turns per level before each branch point.
+        timings (`dict`, *optional*): receives `"reward_s"`, the seconds spent grading.
 
     Returns:
         `list[Episode]`: `len(task_ids) * num_generations` episodes (`len(task_ids) * prod(branching)` with
@@ -306,9 +312,12 @@ def play_episodes(
             ids.append(domain.task(task_id).task_id)
     episodes, sessions = run_sessions(sessions, ids, generate, max_turn_tokens=max_turn_tokens, max_tokens=max_tokens,
                                       branching=branching, branch_turns=branch_turns)
+    start = time.perf_counter()
     for episode, session in zip(episodes, sessions):
         env = session.env
         episode.messages, episode.end_reason, episode.reward = list(env.messages), env.end_reason, env.reward()
+    if timings is not None:
+        timings["reward_s"] = time.perf_counter() - start
     return episodes
 
 
