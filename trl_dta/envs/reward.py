@@ -25,7 +25,8 @@ cancelling the wrong order) keeps its partial credit but can never succeed.
 Shaped rewards (the recipe's default, as TRL's several `reward_funcs`, `trl_rollout.SHAPED_REWARDS`) split the
 same path to success into signals a random tiny model meets early, each in `[0, 1]` and logged on its own:
 
-- `protocol` (well-formed turns, above);
+- `call_format`: well-formed tool calls, the mean over turns of `protocol.call_format_score` (a `say` turn 0.25, a
+  call 0.5 to 1.0 as its tool and parameter names are right, partial credit for starting with `call `);
 - `tools`: per gold action, the best share of its tool name that one of the agent's calls starts with (`find-u` for
   `find-user` earns 6/9), averaged over the gold actions: [`tool_credit`];
 - `arguments`: the share of the gold calls' `key=value` pairs that some call of the same tool passed (attempted
@@ -41,7 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .database import Database
-from .protocol import Call, _common_prefix, protocol_score
+from .protocol import Call, _common_prefix, call_format_score, protocol_score
 
 PARTIAL_SCALE = 0.5
 PROTOCOL_WEIGHT, ACTIONS_WEIGHT, INFO_WEIGHT = 0.2, 0.5, 0.3
@@ -60,6 +61,7 @@ class RewardBreakdown:
         protocol (`float`): mean protocol score of the agent's turns (`0` without turns).
         tools (`float`): [`tool_credit`] of the agent's calls.
         arguments (`float`): [`argument_credit`] of the agent's calls.
+        call_format (`float`): the mean `protocol.call_format_score` of the agent's turns (`0` without turns).
     """
 
     reward: float
@@ -70,6 +72,7 @@ class RewardBreakdown:
     protocol: float
     tools: float = 0.0
     arguments: float = 0.0
+    call_format: float = 0.0
 
 
 def info_said(required: Sequence[str], messages: Sequence[str]) -> float:
@@ -139,5 +142,6 @@ def compute_reward(
     partial = PARTIAL_SCALE * (PROTOCOL_WEIGHT * protocol + ACTIONS_WEIGHT * actions + INFO_WEIGHT * info)
     gold = [(c.tool, c.kwargs) for c in gold_actions]
     called = [(c.tool, c.kwargs) for c in attempted]
+    call_format = sum(map(call_format_score, turns)) / len(turns) if turns else 0.0
     return RewardBreakdown(1.0 if success else partial, success, db_match, info, actions, protocol,
-                           tool_credit(gold, called), argument_credit(gold, called))
+                           tool_credit(gold, called), argument_credit(gold, called), call_format)

@@ -117,7 +117,7 @@ class Episode:
         end_reason (`str`): `"user_stop"`, `"max_turns"` or `"max_tokens"`.
         reward: the episode's grade: a [`RewardBreakdown`] for the stand-in retail domain, tau2's `RewardInfo` for
             the tau2 domains (both have `.reward`).
-        shaped (`dict[str, float]`, *optional*): tau2 episodes: the shaped credits (`protocol`, `tools`,
+        shaped (`dict[str, float]`, *optional*): tau2 episodes: the shaped credits (`call_format`, `tools`,
             `arguments`; the stand-in's are in its `RewardBreakdown`).
     """
 

@@ -201,9 +201,9 @@ def episode_reward(completions: list, episode_reward: list[float] | None = None,
     return _column("episode_reward", completions, episode_reward)
 
 
-def format_reward(completions: list, protocol: list[float] | None = None, **kwargs) -> list[float]:
-    """Shaped reward: well-formed turns (the mean protocol score of the episode's turns, `envs.reward`)."""
-    return _column("protocol", completions, protocol)
+def format_reward(completions: list, call_format: list[float] | None = None, **kwargs) -> list[float]:
+    """Shaped reward: well-formed tool calls (the mean call format of the episode's turns, `envs.reward`)."""
+    return _column("call_format", completions, call_format)
 
 
 def tool_reward(completions: list, tools: list[float] | None = None, **kwargs) -> list[float]:
@@ -221,7 +221,7 @@ def outcome_reward(completions: list, success: list | None = None, **kwargs) -> 
     return _column("success", completions, success)
 
 
-_SHAPED_KEYS = ("protocol", "tools", "arguments")
+_SHAPED_KEYS = ("call_format", "tools", "arguments")
 # TRL's `reward_funcs` and `reward_weights` of the shaped reward: weights sum to 1, so TRL's logged `reward` (their
 # weighted sum) is on a 0-1 scale, and each function's mean is logged as `rewards/<name>/mean`.
 SHAPED_REWARDS = ([format_reward, tool_reward, arguments_reward, outcome_reward], [0.4, 0.3, 0.2, 0.1])

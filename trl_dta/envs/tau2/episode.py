@@ -53,6 +53,8 @@ class Tau2Session:
         self.domain, self.renderer = domain, renderer
         self.task = domain.task(task_id)
         self.user = user if user is not None else ScriptedUser(self.task, seed)
+        if hasattr(self.user, "act"):
+            self.user.act = self._user_action
         self.max_turns = check_int("max_turns", max_turns, minimum=1)
         self.env = domain.new_environment(self.task)
         m = tau2_modules().message
@@ -119,6 +121,17 @@ class Tau2Session:
         self.trajectory.extend(results)
         return answers
 
+    def _user_action(self, name: str, arguments: dict) -> str:
+        """Runs one of the user's own actions on the episode's environment, as tau2's user simulator does (a user
+        message with the tool call, then the tool's answer, both in the trajectory); returns the answer's text."""
+        m = self._m
+        self._calls += 1
+        call = m.ToolCall(id=f"user_call_{self._calls}", name=name, arguments=arguments, requestor="user")
+        result = self.env.get_response(call)
+        self.trajectory.append(m.UserMessage(role="user", tool_calls=[call]))
+        self.trajectory.append(result)
+        return (result.content or "")[:300]
+
     def stop(self, reason: str) -> None:
         if reason not in END_REASONS:
             raise ValueError(f"`reason` must be one of {END_REASONS}, got {reason!r}.")
@@ -129,14 +142,14 @@ class Tau2Session:
         return self.domain.evaluate(self.task, self.trajectory, _TAU2_END.get(self.end_reason, "max_steps"))
 
     def shaped(self) -> dict[str, float]:
-        """The shaped credits of the episode (`envs.reward`): `protocol` (the mean per-turn call format: 1 a call of
+        """The shaped credits of the episode (`envs.reward`): `call_format` (the mean per-turn call format: 1 a call of
         a known tool, 0.5 of an unknown one, 0.25 an unparsed `<tool_call>`, 0 text), `tools` and `arguments`
         against the task's gold agent actions."""
         criteria = self.task.evaluation_criteria
         gold = [(a.name, dict(a.arguments)) for a in (criteria.actions or []) if a.requestor == "assistant"] \
             if criteria is not None else []
         formats = self.call_formats
-        return {"protocol": sum(formats) / len(formats) if formats else 0.0,
+        return {"call_format": sum(formats) / len(formats) if formats else 0.0,
                 "tools": tool_credit(gold, self.calls), "arguments": argument_credit(gold, self.calls)}
 
 

@@ -106,8 +106,8 @@ class Tau2RolloutFunc:
 
 def episode_columns(episodes) -> dict[str, list]:
     """TRL's `rollout_func` output for played tau2 episodes: tau2's reward of each (`tau2_reward`, and as `success`
-    for `outcome_reward`) and the shaped credits (`protocol`, `tools`, `arguments`: `trl_rollout.SHAPED_REWARDS`)."""
-    shaped = {key: [e.shaped[key] for e in episodes] for key in ("protocol", "tools", "arguments")}
+    for `outcome_reward`) and the shaped credits (`call_format`, `tools`, `arguments`: `trl_rollout.SHAPED_REWARDS`)."""
+    shaped = {key: [e.shaped[key] for e in episodes] for key in ("call_format", "tools", "arguments")}
     rewards = [float(e.reward.reward) for e in episodes]
     return rollout_columns(episodes, tau2_reward=rewards, success=rewards, **shaped)
 
