@@ -24,7 +24,7 @@ DTA: dict = {}
 
 # Logged values that measure time or memory, or that exist only on one side.
 UNCOMPARED = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos",
-              "train_loss"}
+              "train_loss", "dta/rollout_generation_s", "dta/rollout_env_s", "dta/rollout_reward_s"}
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
