@@ -38,29 +38,16 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol, runtime_checkable
-
-import torch
-from transformers import GenerationConfig
+from typing import Protocol, runtime_checkable
 
 from .._checks import check_int
 from ..batch import SAMPLE_LAYOUTS
+from ..generation import GenerateFn, Generation, reprefill_generate_fn  # noqa: F401 (Generation re-exported)
 from .env import RetailDomain, RetailEnv
 from .protocol import render_reply
 from .reward import RewardBreakdown  # noqa: F401 (documented type of Episode.reward)
-
-
-class Generation(NamedTuple):
-    """One generated turn: its token ids and, if the generator has them, their sampling log-probs (same length)."""
-
-    ids: list[int]
-    logprobs: list[float] | None
-
-
-# (prefixes, max_new_tokens per prefix) -> one Generation per prefix, each with 1..max_new_tokens ids.
-GenerateFn = Callable[[list[list[int]], list[int]], list[Generation]]
 
 
 @runtime_checkable
@@ -378,52 +365,7 @@ def layout_sequences(episodes: Sequence[Episode], layout: str) -> list[list[int]
 
 
 def model_generate_fn(model, tokenizer, generation_config=None, **generation_kwargs) -> GenerateFn:
-    """A [`GenerateFn`] that samples turns from a causal LM with `model.generate`, with sampling log-probs.
-
-    Prefixes are left-padded into one batch and sampled together; each row is cut after its first stop token (the
-    generation config's `eos_token_id`, one id or a list) and at its own budget. The log-probs are those of the
-    processed distribution the token was drawn from (after temperature, top-k, top-p), as vLLM's
-    `processed_logprobs`; they cost `(batch, new_tokens, vocab)` floats of scores while generating.
-
-    Args:
-        model ([`~transformers.PreTrainedModel`]): the policy (its mode is left as it is).
-        tokenizer: its tokenizer (pad and eos ids).
-        generation_config ([`~transformers.GenerationConfig`], *optional*): sampling settings, e.g. a TRL
-            trainer's `generation_config`. Defaults to plain sampling: temperature 1, no top-k, no top-p.
-        **generation_kwargs: overrides of the generation config (e.g. `temperature=0.7`).
-
-    Returns:
-        `GenerateFn`.
-    """
-    if generation_config is None:
-        generation_config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
-    base = copy.deepcopy(generation_config)
-    base.update(**generation_kwargs)
-    eos = tokenizer.eos_token_id if base.eos_token_id is None else base.eos_token_id
-    stop_ids = sorted(set(eos if isinstance(eos, (list, tuple)) else [eos]))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-    def generate(prefixes: list[list[int]], max_new_tokens: list[int]) -> list[Generation]:
-        device = model.device
-        width = max(map(len, prefixes))
-        input_ids = torch.full((len(prefixes), width), pad_id, dtype=torch.long, device=device)  # (batch, width)
-        attention_mask = torch.zeros_like(input_ids)  # (batch, width), left padding
-        for row, prefix in enumerate(prefixes):
-            input_ids[row, width - len(prefix):] = torch.tensor(prefix, device=device)
-            attention_mask[row, width - len(prefix):] = 1
-        config = copy.deepcopy(base)
-        config.update(max_new_tokens=max(max_new_tokens), eos_token_id=stop_ids, pad_token_id=pad_id,
-                      output_scores=True, return_dict_in_generate=True)
-        with torch.no_grad():
-            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
-        new_ids = out.sequences[:, width:]  # (batch, new_tokens)
-        scores = torch.stack(out.scores, dim=1).float()  # (batch, new_tokens, vocab), processed
-        logprobs = scores.log_softmax(-1).gather(-1, new_ids.unsqueeze(-1)).squeeze(-1)  # (batch, new_tokens)
-        generations = []
-        for row, budget in enumerate(max_new_tokens):
-            ids = new_ids[row, :budget].tolist()
-            end = next((k + 1 for k, token in enumerate(ids) if token in stop_ids), len(ids))
-            generations.append(Generation(ids[:end], logprobs[row, :end].tolist()))
-        return generations
-
-    return generate
+    """A [`GenerateFn`] that samples turns with `model.generate` on the whole prefixes (the re-prefill path, see
+    `trl_dta.generation.sampling`); [`~trl_dta.generation.CachedGenerate`] samples the same turns forwarding each
+    token once."""
+    return reprefill_generate_fn(model, tokenizer, generation_config, **generation_kwargs)

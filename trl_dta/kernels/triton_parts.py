@@ -260,7 +260,7 @@ def _supports(query, key, mask: PartMask, softcap) -> bool:
     # garbage, so such parts go to the next kernel of the backend's chain.
     dtypes = (torch.float64, torch.float32) if os.environ.get("TRITON_INTERPRET") == "1" else \
         (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-    return query.dtype in dtypes and query.shape[-1] <= 128
+    return query.dtype in dtypes and query.shape[-1] <= 128 and mask.key_length is None
 
 
 TRITON = PartKernel("triton", available=lambda device: True, supports=_supports, forward=triton_forward,
