@@ -194,8 +194,8 @@ class DTAArguments:
             "help": "Opt-in tree rollouts (`DTAGRPOTrainer`, transformers generation): children per level of each "
             "prompt's sampling tree, e.g. `[4, 2]` (`--dta_tree_branching 4 2`): 4 first segments, each continued "
             "twice; the product must equal `num_generations`, and a multi-level tree needs at least 2 first "
-            "segments. Shared segments are generated once (their key/value cache copied to the children) and trained "
-            "once by DTA. Each completion has the same distribution as TRL's completions, but the completions of a "
+            "segments. Shared segments are generated once (their keys/values held once, continued by the children) "
+            "and trained once by DTA. Each completion has the same distribution as TRL's completions, but the completions of a "
             "prompt are correlated, which changes what TRL's group advantage teaches each level (see "
             "`dta_tree_advantage`). Applies with `dta_enabled=False` too. `None` samples the completions "
             "independently, as TRL does."
@@ -356,7 +356,8 @@ def check_tree_args(args) -> None:
         "here); use transformers generation (`use_vllm=False`)",
         "use_transformers_continuous_batching": "continuous batching schedules rows itself; use "
         "`use_transformers_continuous_batching=False`",
-        "cache_implementation": "tree rollouts copy a `DynamicCache` per child; leave `cache_implementation=None`",
+        "cache_implementation": "tree rollouts sample over their own generation cache; leave "
+        "`cache_implementation=None`",
     }
     for name, why in refused.items():
         if getattr(args, name, None):

@@ -128,7 +128,6 @@ class TreeRollouts:
                 effective_generation_config(model, trainer.generation_config),
                 trainer.eos_token_ids,
                 trainer._tokenizer.pad_token_id,
-                pad_to_multiple_of=trainer.pad_to_multiple_of,
             )
         self.last_trees, self.last_scorable = trees, None
         metrics = trainer._metrics["train" if trainer.model.training else "eval"]
@@ -137,7 +136,7 @@ class TreeRollouts:
         metrics["dta/generated_tokens"].append(float(generated))
         metrics["dta/generated_tokens_independent"].append(float(independent))
         metrics["dta/generation_compression"].append(independent / max(generated, 1))
-        metrics["dta/generation_forward_tokens"].append(float(sum(r * n for r, n in stats.forward_calls)))
+        metrics["dta/generation_forward_tokens"].append(float(stats.forward_tokens))
         metrics["dta/tree_distinct_leaves"].append(sum(len({tuple(leaf) for leaf in t.leaves}) for t in trees)
                                                     / max(len(trees), 1))
         early = sum(len(path) < len(self.branching) for t in trees for path in t.nodes)

@@ -12,14 +12,26 @@ prompt ─┬─ a (S tokens) ─┬─ a1 (to the end)        leaf 0
 ```
 
 level 0 samples 4 first segments of `S` tokens from the prompt, level 1 samples 2 continuations of each, up to
-`max_completion_length` tokens in all. A node's segment is generated once: the prompt is prefilled once per prompt,
-and each level's children start from a copy of their parent's key/value cache (`DynamicCache.batch_select_indices`
-with the parent's row repeated), so the only token of a shared part that is forwarded again is the parent's last
-sampled token, once per child (`generate` never forwards the token it samples last). The copies make a level's key/value
-memory that of independent sampling (`G` rows of prompt and completion); only the prefill's compute is shared.
+`max_completion_length` tokens in all. A node's segment is generated once and its keys/values are held once: the
+levels run on one generation cache (`trl_dta.generation.CachedGenerate` over a `PrefixCache`), in which the prompt is
+prefilled once and stored once as a node, and when a level branches, each parent's segment (its last sampled token
+forwarded once) becomes a node its children continue, never copied per child:
 
-Every level is one `model.generate` call over all of the level's children with the settings `generate` would use for
-TRL's own sampling ([`effective_generation_config`]: the trainer's `generation_config` over the model's
+```
+cache nodes:  prompt (P) ─┬─ a (S) ─┬─ row a1 (own tokens)     every node held once, read by the rows below it
+                          │         └─ row a2
+                          └─ b (S) ─┬─ row b1
+                                    └─ row b2
+```
+
+so a group's generation memory is the prompt plus the tree's segments plus the live rows' own tokens, not `G` copies
+of the prompt (`TreeStats.peak_kv_bytes`; `benchmarks/bench_tree_memory.py`: a 4,096-token prompt with 8 leaves
+peaks at 0.24 of independent sampling's key/value memory: twice the prompt, at the moment the prompt moves from the
+rows' buffer into its node). No token of a shared part is forwarded twice.
+
+Every level is one `model.generate` call over all of the level's children (decoded over the cache: transformers builds
+the logits processors and stopping criteria, `CachedGenerate` runs its sampling loop) with the settings `generate`
+would use for TRL's own sampling ([`effective_generation_config`]: the trainer's `generation_config` over the model's
 `generation_config.json`), only `max_new_tokens` and, when set, `min_new_tokens` adapted to the level
 ([`level_generation_config`]). So the logits processors are TRL's: temperature, top-k, top-p, min-p and
 `sequence_bias` act on one position's logits, and `repetition_penalty`, `no_repeat_ngram_size` and `bad_words_ids`
@@ -28,9 +40,8 @@ Settings that depend on where a `generate` call starts (`forced_eos_token_id`, `
 `begin_suppress_tokens`, stop strings, ...) are refused, from either source ([`check_generation_config`]).
 
 Distribution. The product of the segment distributions is the sequence distribution, so each leaf, taken alone, is a
-sample from the policy: the same distribution as TRL's completions (not the same numbers: a prompt prefilled in one
-call and continued from its cache gives logits that differ from one full prefill in the last bits, e.g. 4.5e-7 in
-float32). `tests/trainers/test_tree_sampling.py` checks each leaf's marginal and the joint law of a node and its
+sample from the policy: the same distribution as TRL's completions (not the same numbers: attention over cached
+nodes, merged by log-sum-exp, gives logits that differ from one full prefill in the last bits). `tests/trainers/test_tree_sampling.py` checks each leaf's marginal and the joint law of a node and its
 children (`P(a, b1, b2) = p(a) p(b1 | a) p(b2 | a)`) with chi-square tests. A node that ends (EOS) before a branch
 point has no children: each of the rows below it is that same finished sequence, which is exactly what independent
 continuation would give (an ended sequence has the empty continuation), so every row is still one sample of the
@@ -45,6 +56,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -69,7 +81,7 @@ UNSUPPORTED_GENERATION = {
     "use_mtp": "assisted decoding is not supported with tree rollouts",
     "speculation_type": "assisted decoding is not supported with tree rollouts",
     "penalty_alpha": "contrastive search is not sampling",
-    "cache_implementation": "tree rollouts copy a `DynamicCache` per child; leave `cache_implementation=None`",
+    "cache_implementation": "tree rollouts sample over their own generation cache; leave `cache_implementation=None`",
 }
 # Attributes that must have this value: tree rollouts sample, one sequence per row, each level continuing the cache.
 REQUIRED_GENERATION = {"do_sample": True, "num_beams": 1, "num_return_sequences": 1, "use_cache": True}
@@ -161,15 +173,21 @@ class RolloutTree:
 
 @dataclass
 class TreeStats:
-    """What a call of [`sample_trees`] computed, for the metrics and the tests.
+    """What a call of [`sample_trees`] computed, for the metrics, the tests and the benchmarks.
 
     Args:
-        forward_calls (`list[tuple[int, int]]`): `(rows, new positions)` of every model forward, in order.
+        forward_calls (`int`): model forwards.
+        forward_tokens (`int`): token positions the model forwarded (each prompt and each node's segment once, a
+            node's last token once when it branches, a leaf's last token never).
+        peak_kv_bytes (`int`): the most key/value memory the generation cache held after a forward or a freeze (its
+            shared nodes and its rows' buffer: `PrefixCache.kv_bytes`).
         logits (`list[list[torch.Tensor]]`, *optional*): with `return_logits`, per tree and leaf the raw logits of its
-            sampled tokens, `(len(leaf), vocab)` float in the model's dtype.
+            sampled tokens, `(len(leaf), vocab)` float32.
     """
 
-    forward_calls: list[tuple[int, int]] = field(default_factory=list)
+    forward_calls: int = 0
+    forward_tokens: int = 0
+    peak_kv_bytes: int = 0
     logits: list[list[torch.Tensor]] | None = None
 
 
@@ -179,20 +197,6 @@ class _Node:
     finished: bool
     children: list[_Node] = field(default_factory=list)
     logits: torch.Tensor | None = None  # (len(tokens), vocab)
-
-
-def _left_pad(rows: list[list[int]], pad_token_id: int, multiple: int | None, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded `(N, P)` ids and their `(N, P)` attention mask, as TRL pads prompts for `generate`."""
-    width = max(len(r) for r in rows)
-    if multiple:
-        width = math.ceil(width / multiple) * multiple
-    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
-            mask[i, width - len(r):] = 1
-    return ids.to(device), mask.to(device)
 
 
 def _first_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
@@ -232,7 +236,6 @@ def sample_trees(
     generation_config,
     eos_token_ids: list[int],
     pad_token_id: int,
-    pad_to_multiple_of: int | None = None,
     return_logits: bool = False,
 ) -> tuple[list[RolloutTree], TreeStats]:
     """Sample one tree of completions per prompt (see the module docstring).
@@ -248,63 +251,47 @@ def sample_trees(
             ([`effective_generation_config`], checked by [`check_generation_config`]).
         eos_token_ids (`list[int]`): tokens that end a completion.
         pad_token_id (`int`): the tokenizer's padding token.
-        pad_to_multiple_of (`int`, *optional*): prompt padding, as TRL's.
         return_logits (`bool`, *optional*, defaults to `False`): also return each leaf's raw logits (tests).
 
     Returns:
         `(trees, stats)`: a [`RolloutTree`] per prompt and the [`TreeStats`] of the call.
     """
-    from transformers import DynamicCache
+    from ..generation import CachedGenerate
 
-    device = next(model.parameters()).device
+    ids = SimpleNamespace(eos_token_id=list(eos_token_ids), pad_token_id=pad_token_id)
+    generator = CachedGenerate(model, ids, generation_config)
     stats = TreeStats()
-    hook = model.get_decoder().register_forward_pre_hook(
-        lambda module, args, kwargs: stats.forward_calls.append(tuple(_forward_shape(args, kwargs))), with_kwargs=True
-    )
-    try:
-        ids, mask = _left_pad(prompts, pad_token_id, pad_to_multiple_of, device)  # (U, P)
-        cache = DynamicCache(config=model.config)
-        if ids.size(1) > 1:  # prefill every prompt but its last token, once per prompt
-            position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-            model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=position_ids[:, :-1], cache=cache,
-                  use_cache=True)
-        roots = [_Node([], finished=False) for _ in prompts]
-        active = list(roots)  # the nodes whose children the next level samples, one per row of `ids` and `cache`
-        eos = torch.tensor(eos_token_ids, device=device)
-        for level, (children, budget) in enumerate(zip(branching, level_budgets(len(branching), segment_length,
-                                                                                 max_new_tokens))):
-            last = level == len(branching) - 1
-            rows = torch.arange(len(active), device=device).repeat_interleave(children)  # (n,) parent row per child
-            ids, mask = ids[rows], mask[rows]  # (n, T)
-            cache.batch_select_indices(rows)  # each child starts from a copy of its parent's cache
-            config = level_generation_config(generation_config, budget, level * (segment_length or 0))
-            config.return_dict_in_generate = True
-            config.output_logits = return_logits
-            out = model.generate(input_ids=ids, attention_mask=mask, cache=cache, generation_config=config)
-            new = out.sequences[:, ids.size(1):]  # (n, s), s <= budget
-            lengths, ended = _first_eos(new, eos)
-            step_logits = torch.stack(out.logits, dim=1) if return_logits else None  # (n, s, vocab)
-            nodes = []
-            parents = [node for node in active for _ in range(children)]
-            for r, parent in enumerate(parents):
-                n = int(lengths[r])
-                node = _Node(new[r, :n].tolist(), finished=bool(ended[r]) or last or n < budget)
-                if step_logits is not None:
-                    node.logits = step_logits[r, :n]
-                parent.children.append(node)
-                nodes.append(node)
-            if last:
-                break
-            keep = [r for r, node in enumerate(nodes) if not node.finished]
-            if not keep:
-                break
-            keep_rows = torch.tensor(keep, device=device)
-            ids = out.sequences[keep_rows]
-            mask = torch.cat([mask, torch.ones_like(new)], dim=1)[keep_rows]
-            cache.batch_select_indices(keep_rows)  # `generate` grew `cache` in place
-            active = [nodes[r] for r in keep]
-    finally:
-        hook.remove()
+    roots = [_Node([], finished=False) for _ in prompts]
+    active = list(roots)  # the nodes whose children the next level samples
+    prefixes = [list(p) for p in prompts]  # each active node's prompt and segments
+    for level, (children, budget) in enumerate(zip(branching, level_budgets(len(branching), segment_length,
+                                                                             max_new_tokens))):
+        last = level == len(branching) - 1
+        rows = [prefix for prefix in prefixes for _ in range(children)]  # each parent's row branches in the cache
+        config = level_generation_config(generation_config, budget, level * (segment_length or 0))
+        config.return_dict_in_generate = True
+        config.output_logits = return_logits
+        out = generator.generate(rows, [budget] * len(rows), generation_config=config)
+        new = out.sequences[:, max(map(len, rows)):]  # (n, s), s <= budget: after the left-padded prefixes
+        lengths, ended = _first_eos(new, torch.tensor(eos_token_ids, device=new.device))
+        step_logits = torch.stack(out.logits, dim=1) if return_logits else None  # (n, s, vocab)
+        nodes = []
+        parents = [node for node in active for _ in range(children)]
+        for r, parent in enumerate(parents):
+            n = int(lengths[r])
+            node = _Node(new[r, :n].tolist(), finished=bool(ended[r]) or last or n < budget)
+            if step_logits is not None:
+                node.logits = step_logits[r, :n]
+            parent.children.append(node)
+            nodes.append(node)
+        keep = [r for r, node in enumerate(nodes) if not node.finished]
+        if last or not keep:
+            break
+        active = [nodes[r] for r in keep]
+        prefixes = [rows[r] + nodes[r].tokens for r in keep]
+    cache = generator.cache.stats
+    stats.forward_calls, stats.forward_tokens, stats.peak_kv_bytes = (cache.forward_calls, cache.forward_tokens,
+                                                                      cache.peak_kv_bytes)
 
     trees, all_logits = [], []
     starts = [level * (segment_length or 0) for level in range(len(branching))]
@@ -317,13 +304,6 @@ def sample_trees(
     if return_logits:
         stats.logits = all_logits
     return trees, stats
-
-
-def _forward_shape(args, kwargs) -> tuple[int, int]:
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    if ids is None:
-        ids = kwargs["inputs_embeds"]
-    return int(ids.size(0)), int(ids.size(1))
 
 
 def _collect(children: list[_Node], branching: list[int], level: int, tokens: list[int], path: list[int],
