@@ -149,17 +149,17 @@ def _sample(model, n_trees, branching, segment, max_new, config, seed, chunk: in
     return trees
 
 
-@pytest.mark.parametrize("branching,segment,max_new", [
-    ([2, 2], 1, 2),
-    pytest.param([2, 2, 2], 1, 3, marks=pytest.mark.slow),
-    pytest.param([3, 2], 2, 3, marks=pytest.mark.slow),
+@pytest.mark.parametrize("branching,segment,max_new,n_trees", [
+    ([2, 2], 1, 2, 2000),
+    pytest.param([2, 2, 2], 1, 3, 1200, marks=pytest.mark.slow),
+    pytest.param([3, 2], 2, 3, 1200, marks=pytest.mark.slow),
 ])
-def test_leaves_have_the_policy_marginal(small_model, branching, segment, max_new):
+def test_leaves_have_the_policy_marginal(small_model, branching, segment, max_new, n_trees):
     """Each leaf position, over many trees, is distributed as one independent sample of the policy (the exact
     distribution by enumeration, repetition penalty and top-k included), tested with a chi-square at ALPHA."""
     config = _generation_config()
     expected = _exact_distribution(small_model, PROMPT, max_new, config)
-    trees = _sample(small_model, 2000, branching, segment, max_new, config, seed=0)
+    trees = _sample(small_model, n_trees, branching, segment, max_new, config, seed=0)
     # The first and the last leaf: the last one has only branched children on its path, the first only first ones.
     for j in (0, math.prod(branching) - 1):
         p = _leaf_p(trees, j, expected)
@@ -192,7 +192,7 @@ def test_min_new_tokens_counts_from_the_completions_start(small_model):
     config = _generation_config(min_new_tokens=2, sequence_bias=[[[EOS], 3.0]], top_k=0)
     expected = _exact_distribution(small_model, PROMPT, 3, config)
     assert sum(q for seq, q in expected.items() if len(seq) == 3 and seq[-1] == EOS) > 0.1  # the bias makes it seen
-    trees = _sample(small_model, 1500, [2, 2], 1, 3, config, seed=6)
+    trees = _sample(small_model, 1000, [2, 2], 1, 3, config, seed=6)
     for j in (0, 3):
         p = _leaf_p(trees, j, expected)
         assert p > ALPHA, f"leaf {j}: chi-square p = {p:.2e}"
@@ -202,7 +202,7 @@ def test_min_new_tokens_counts_from_the_completions_start(small_model):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(tree_sampling, "level_generation_config", not_reduced)
-        faulty = _sample(small_model, 1500, [2, 2], 1, 3, config, seed=6)
+        faulty = _sample(small_model, 1000, [2, 2], 1, 3, config, seed=6)
     assert _leaf_p(faulty, 0, expected) < ALPHA
 
 
@@ -214,7 +214,7 @@ def test_top_p_and_min_p(small_model, overrides, wrong):
     """top-p and min-p: each leaf's marginal and the siblings' joint law; the trees scored against a neighbouring
     threshold are rejected (the test has power)."""
     config = _generation_config(**overrides)
-    trees = _sample(small_model, 2000, [2, 2], 1, 2, config, seed=7)
+    trees = _sample(small_model, 1500, [2, 2], 1, 2, config, seed=7)
     expected = _exact_distribution(small_model, PROMPT, 2, config)
     for j in (0, 3):
         p = _leaf_p(trees, j, expected)

@@ -27,8 +27,10 @@ class TreeRollouts:
     - `dta/generated_tokens`: completion tokens sampled (each tree node's segment once);
     - `dta/generated_tokens_independent`: completion tokens of the same leaves sampled independently (TRL's way);
     - `dta/generation_compression`: their ratio;
-    - `dta/generation_forward_tokens`: token positions the model forwarded while generating (prefill included; rows
-      of a level that already ended keep being forwarded until the level's call ends, as in `generate`);
+    - `dta/generation_forward_tokens`: token positions the model forwarded while generating (each distinct prompt
+      once, each sampled token at most once);
+    - `dta/generation_peak_kv_mb`: the most key/value memory the generation cache held (MiB; the prompts once, not
+      once per completion);
     - `dta/tree_distinct_leaves`: distinct completions per prompt group (mean over groups; `num_generations` at most);
     - `dta/tree_early_end_fraction`: the fraction of rows whose completion ended before the last level, so that they
       copy a shorter node (several rows of one group then hold the same completion).
@@ -137,6 +139,7 @@ class TreeRollouts:
         metrics["dta/generated_tokens_independent"].append(float(independent))
         metrics["dta/generation_compression"].append(independent / max(generated, 1))
         metrics["dta/generation_forward_tokens"].append(float(stats.forward_tokens))
+        metrics["dta/generation_peak_kv_mb"].append(stats.peak_kv_bytes / 2**20)
         metrics["dta/tree_distinct_leaves"].append(sum(len({tuple(leaf) for leaf in t.leaves}) for t in trees)
                                                     / max(len(trees), 1))
         early = sum(len(path) < len(self.branching) for t in trees for path in t.nodes)

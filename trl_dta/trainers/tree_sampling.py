@@ -41,8 +41,9 @@ Settings that depend on where a `generate` call starts (`forced_eos_token_id`, `
 
 Distribution. The product of the segment distributions is the sequence distribution, so each leaf, taken alone, is a
 sample from the policy: the same distribution as TRL's completions (not the same numbers: attention over cached
-nodes, merged by log-sum-exp, gives logits that differ from one full prefill in the last bits). `tests/trainers/test_tree_sampling.py` checks each leaf's marginal and the joint law of a node and its
-children (`P(a, b1, b2) = p(a) p(b1 | a) p(b2 | a)`) with chi-square tests. A node that ends (EOS) before a branch
+nodes, merged by log-sum-exp, gives logits that differ from one full prefill in the last bits).
+`tests/trainers/test_tree_sampling.py` checks each leaf's marginal and the joint law of a node and its children
+(`P(a, b1, b2) = p(a) p(b1 | a) p(b2 | a)`) with chi-square tests. A node that ends (EOS) before a branch
 point has no children: each of the rows below it is that same finished sequence, which is exactly what independent
 continuation would give (an ended sequence has the empty continuation), so every row is still one sample of the
 policy. Leaves of one prompt are correlated: what that does to the advantages is `tree_advantages.py`'s subject.
@@ -83,8 +84,8 @@ UNSUPPORTED_GENERATION = {
     "penalty_alpha": "contrastive search is not sampling",
     "cache_implementation": "tree rollouts sample over their own generation cache; leave `cache_implementation=None`",
 }
-# Attributes that must have this value: tree rollouts sample, one sequence per row, each level continuing the cache.
-REQUIRED_GENERATION = {"do_sample": True, "num_beams": 1, "num_return_sequences": 1, "use_cache": True}
+# Attributes that must have this value: tree rollouts sample, one sequence per row.
+REQUIRED_GENERATION = {"do_sample": True, "num_beams": 1, "num_return_sequences": 1}
 # `generate` overrides these in every call (`max_new_tokens` wins over `max_length`), so a checkpoint's value is inert.
 _INERT_FROM_MODEL = ("max_length",)
 
@@ -141,8 +142,8 @@ def check_generation_config(generation_config, model=None) -> None:
             value = getattr(config, name, None)
             if value is not None and value != required:  # None: transformers' default, which is the required value
                 raise ValueError(
-                    f"dta_tree_branching: tree rollouts sample, one sequence per row, each level continuing its "
-                    f"parent's key/value cache, so `{name}` must be {required!r} (got {value!r}). "
+                    f"dta_tree_branching: tree rollouts sample, one sequence per row, so `{name}` must be "
+                    f"{required!r} (got {value!r}). "
                     f"{fix.format(name=name)} or set `generation_kwargs={{{name!r}: {required!r}}}`, {off}"
                 )
 
