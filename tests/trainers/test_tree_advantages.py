@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trl_dta.trainers.tree_advantages import ADVANTAGES, PER_TOKEN, segment_advantages, tree_advantages
-from trl_dta.trainers.tree_rollouts import RolloutTree
+from trl_dta.trainers.tree_sampling import RolloutTree
 
 # branching [2, 2], segments of 2 tokens; the second first-level node ended (its two rows are copies).
 TREE = RolloutTree(leaves=[[3, 4, 5], [3, 4, 6, 7], [8, 2], [8, 2]], nodes=[[0, 1], [0, 2], [3], [3]], starts=[0, 2])
@@ -246,11 +246,17 @@ def test_the_tabular_gradient_is_exact():
 
     grads = policy.gradient()
     logits = [np.log(p) for p in policy.probs]
-    eps = 1e-6
+    # Central differences in float64: truncation eps**2 / 6 * |f'''| <= 3e-10 (|f'''| <= 6 max|r| <= 18 for an
+    # expectation of rewards |r| < 3 under softmaxes) plus rounding 2**-52 * |f| / eps <= 1e-10: within 1e-8.
+    assert np.abs(policy.reward).max() < 3
+    eps = 1e-5
+
+    def bumped(level, s, a, delta):
+        x = [v.copy() for v in logits]
+        x[level][s, a] += delta
+        return expected_reward([np.exp(v) / np.exp(v).sum(1, keepdims=True) for v in x])
+
     for level in range(2):
         for s, a in itertools.product(range(K ** level), range(K)):
-            bumped = [x.copy() for x in logits]
-            bumped[level][s, a] += eps
-            probs = [np.exp(x) / np.exp(x).sum(1, keepdims=True) for x in bumped]
-            fd = (expected_reward(probs) - expected_reward(policy.probs)) / eps
-            assert fd == pytest.approx(grads[level][s, a], abs=1e-5)
+            fd = (bumped(level, s, a, eps) - bumped(level, s, a, -eps)) / (2 * eps)
+            assert abs(fd - grads[level][s, a]) <= 1e-8
