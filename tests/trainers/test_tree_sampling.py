@@ -192,7 +192,7 @@ def test_min_new_tokens_counts_from_the_completions_start(small_model):
     config = _generation_config(min_new_tokens=2, sequence_bias=[[[EOS], 3.0]], top_k=0)
     expected = _exact_distribution(small_model, PROMPT, 3, config)
     assert sum(q for seq, q in expected.items() if len(seq) == 3 and seq[-1] == EOS) > 0.1  # the bias makes it seen
-    trees = _sample(small_model, 1000, [2, 2], 1, 3, config, seed=6)
+    trees = _sample(small_model, 800, [2, 2], 1, 3, config, seed=6)
     for j in (0, 3):
         p = _leaf_p(trees, j, expected)
         assert p > ALPHA, f"leaf {j}: chi-square p = {p:.2e}"
@@ -202,7 +202,7 @@ def test_min_new_tokens_counts_from_the_completions_start(small_model):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(tree_sampling, "level_generation_config", not_reduced)
-        faulty = _sample(small_model, 1000, [2, 2], 1, 3, config, seed=6)
+        faulty = _sample(small_model, 800, [2, 2], 1, 3, config, seed=6)
     assert _leaf_p(faulty, 0, expected) < ALPHA
 
 
@@ -227,7 +227,7 @@ def test_top_p_and_min_p(small_model, overrides, wrong):
 def test_siblings_share_their_parent_segment(small_model):
     """Leaves of one node agree on the node's tokens; an ended node's rows are copies of it."""
     torch.manual_seed(1)
-    trees, _ = sample_trees(small_model, [[5, 6, 7, 3]] * 200, [2, 3], 2, 5, _generation_config(), [EOS], PAD)
+    trees, _ = sample_trees(small_model, [[5, 6, 7, 3]] * 100, [2, 3], 2, 5, _generation_config(), [EOS], PAD)
     saw_copy = False
     for tree in trees:
         assert len(tree.leaves) == 6
