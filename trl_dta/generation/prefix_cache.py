@@ -90,11 +90,13 @@ class CacheStats:
         forward_calls (`int`): model forwards.
         forward_tokens (`int`): token positions forwarded (every one a real token: forwards hold no padding).
         frozen_tokens (`int`): own tokens moved into nodes by [`PrefixCache.branch`] (copied once, not per child).
+        peak_kv_bytes (`int`): the most key/value bytes held ([`PrefixCache.kv_bytes`]) after a forward or a freeze.
     """
 
     forward_calls: int = 0
     forward_tokens: int = 0
     frozen_tokens: int = 0
+    peak_kv_bytes: int = 0
 
 
 @dataclass
@@ -144,6 +146,7 @@ class PrefixCache:
         self.n_layers = model.config.get_text_config().num_hidden_layers
         self.device = model.get_input_embeddings().weight.device
         self.nodes: list[Node] = []
+        self._node_bytes = 0  # keys/values held by `nodes`
         self.stats = CacheStats()
         self._rows: dict[int, _Row] = {}
         self._next_row = 0
@@ -226,7 +229,13 @@ class PrefixCache:
             node = self._freeze(r) if count else None
             out.append([self._new_row(node, r.offset + r.cached, list(r.tokens), r.logits) for _ in range(count)])
             self.release([row])
+        self._fit()
         return out
+
+    def kv_bytes(self) -> int:
+        """Bytes of keys/values the cache holds now: its nodes and its rows' buffer (every slot at full capacity)."""
+        return self._node_bytes + sum(t.numel() * t.element_size() for t in (*self._keys, *self._values)
+                                      if t is not None)
 
     # --------------------------------------------------------------------------------------------- forwards
 
@@ -286,6 +295,7 @@ class PrefixCache:
             )
         self.stats.forward_calls += 1
         self.stats.forward_tokens += ids.numel()
+        self._note_kv_bytes()
         last = out.logits[:, -1]  # (B, vocab)
         for i, r in enumerate(rs):
             r.cached += width
@@ -336,6 +346,30 @@ class PrefixCache:
         if tokens > self._capacity:
             self._grow(self._n_slots, max(tokens, 2 * self._capacity, 64))
 
+    def _fit(self) -> None:
+        """Shrinks the rows' buffer to the live rows (slots renumbered in order) and their own tokens, when that frees
+        more than half of it: after a branch froze a long own part (a prompt) into a node, the buffer would otherwise
+        keep that length for every slot, i.e. every row would still hold the prompt's room."""
+        live = sorted(self._rows.values(), key=lambda r: r.slot)
+        capacity = max((r.cached for r in live), default=0)
+        slots = max(len(live), 1)
+        if 2 * slots * capacity > self._n_slots * self._capacity:
+            return
+        index = torch.tensor([r.slot for r in live], dtype=torch.long, device=self.device)
+        for buffers in (self._keys, self._values):
+            for layer, old in enumerate(buffers):
+                if old is not None:
+                    new = torch.zeros((slots, capacity, *old.shape[2:]), dtype=old.dtype, device=old.device)
+                    new[:len(live)] = old.index_select(0, index)[:, :capacity]
+                    buffers[layer] = new
+        for slot, r in enumerate(live):
+            r.slot = slot
+        self._free_slots = list(range(len(live), slots))
+        self._n_slots, self._capacity = slots, capacity
+
+    def _note_kv_bytes(self) -> None:
+        self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, self.kv_bytes())
+
     def _grow(self, slots: int, capacity: int) -> None:
         """Reallocates the buffers with `slots` slots of `capacity` tokens, keeping what they hold."""
         for buffers in (self._keys, self._values):
@@ -356,7 +390,7 @@ class PrefixCache:
     def _new_row(self, node: int | None, offset: int, tokens: list[int], logits=None) -> int:
         if not self._free_slots:  # the lowest free slot is taken first, so rows made together get consecutive slots
             n = self._n_slots
-            self._grow(max(2 * n, 4), self._capacity)
+            self._grow(max(2 * n, 1), self._capacity)
             for slot in range(n, self._n_slots):
                 heapq.heappush(self._free_slots, slot)
         slot = heapq.heappop(self._free_slots)
@@ -376,7 +410,9 @@ class PrefixCache:
             keys.append(k)
             values.append(v)
         self.nodes.append(Node(keys, values, r.offset, r.cached, r.node))
+        self._node_bytes += sum(t.numel() * t.element_size() for t in (*keys, *values))
         self.stats.frozen_tokens += r.cached
+        self._note_kv_bytes()
         return len(self.nodes) - 1
 
 

@@ -77,10 +77,10 @@ class _Setup:
             attention_mask[row, width - len(prefix):] = 1
         return input_ids, attention_mask
 
-    def config(self, max_new_tokens: list[int]) -> GenerationConfig:
+    def config(self, max_new_tokens: list[int], scores: bool = True) -> GenerationConfig:
         config = copy.deepcopy(self.base)
         config.update(max_new_tokens=max(max_new_tokens), eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
-                      output_scores=True, return_dict_in_generate=True)
+                      output_scores=scores, return_dict_in_generate=True)
         return config
 
     def cut(self, out, width: int, max_new_tokens: list[int]) -> list[Generation]:
@@ -172,14 +172,17 @@ class CachedGenerate:
 
         Returns:
             transformers' `GenerateDecoderOnlyOutput`: `sequences` `(B, width + steps)` (the padded prefixes, then the
-            sampled tokens, pad after a row's stop token), `scores` (processed, one `(B, vocab)` per step) and, with
-            `output_logits=True` in the config, `logits` (raw, float32). A row's tokens past its own budget are not in
+            sampled tokens, pad after a row's stop token), `scores` (processed, one `(B, vocab)` per step; with a
+            `generation_config`, only if it sets `output_scores=True`) and, with `output_logits=True` in the config,
+            `logits` (raw, float32). A row's tokens past its own budget are not in
             the cache (they are cut by `__call__`).
         """
         if len(prefixes) != len(max_new_tokens) or not prefixes:
             raise ValueError(f"got {len(prefixes)} prefixes and {len(max_new_tokens)} budgets (at least one each).")
         budgets = [check_int("max_new_tokens[]", b, minimum=1) for b in max_new_tokens]
         setup = self.setup if generation_config is None else _Setup.like(self.setup, generation_config)
+        # a per-call config keeps the processed scores only when it asks for them: `(B, vocab)` per step
+        scores = generation_config is None or bool(generation_config.output_scores)
         rows = self._rows_for(prefixes)
         input_ids, attention_mask = setup.batch(prefixes, self.model.device)
 
@@ -189,7 +192,7 @@ class CachedGenerate:
 
         with torch.no_grad():
             out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                      generation_config=setup.config(budgets), custom_generate=decode)
+                                      generation_config=setup.config(budgets, scores), custom_generate=decode)
         width = input_ids.shape[1]
         for row, prefix in enumerate(prefixes):
             kept = out.sequences[row, width:width + budgets[row]].tolist()

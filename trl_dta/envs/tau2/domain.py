@@ -30,6 +30,7 @@ two replays and their database hashes (`benchmarks/RESULTS.md`).
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 from datetime import datetime, timezone
@@ -136,6 +137,23 @@ class Tau2Domain:
                           initialization_actions=state.initialization_actions,
                           message_history=state.message_history or [])
         return env
+
+    @staticmethod
+    def copy_environment(env):
+        """An independent tau2 `Environment` in `env`'s current state, for tree rollouts that branch an episode.
+
+        A tau2 environment's state is its toolkits' databases (`env.tools.db`, and `env.user_tools.db` where the user
+        has tools, as in telecom); the rest (policy, tool definitions) is shared. Each database is rebuilt from its
+        dump (`model_validate(model_dump())`: the same `get_hash()`, about 6x faster than `copy.deepcopy` on airline's).
+        """
+        twin = copy.copy(env)
+        for kit in ("tools", "user_tools"):
+            toolkit = getattr(env, kit, None)
+            if toolkit is not None and getattr(toolkit, "db", None) is not None:
+                toolkit = copy.copy(toolkit)
+                toolkit.db = type(toolkit.db).model_validate(toolkit.db.model_dump())
+                setattr(twin, kit, toolkit)
+        return twin
 
     def initial_messages(self, task) -> list:
         """The task's message history from its initial state (tau2 messages, usually none)."""

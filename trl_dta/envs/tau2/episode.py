@@ -20,13 +20,14 @@ is graded; `"max_turns"` and `"max_tokens"` are tau2's `max_steps`, which scores
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Sequence
 
 from ..._checks import check_int
 from ..chat import ChatRenderer
 from ..reward import argument_credit, tool_credit
-from ..rollout import Episode, GenerateFn, run_sessions
+from ..rollout import Episode, GenerateFn, check_branching, check_copyable, run_sessions
 from ._seam import tau2_modules
 from .domain import Tau2Domain, call_tool, chat_tool_message, tau2_assistant_message
 from .user import ScriptedUser
@@ -132,6 +133,20 @@ class Tau2Session:
         self.trajectory.append(result)
         return (result.content or "")[:300]
 
+    def copy(self) -> Tau2Session:
+        """The same episode from here on, independent of this one (tree rollouts branch episodes at turn boundaries
+        with it: `envs.rollout.CopyableEnv`): the database copied ([`Tau2Domain.copy_environment`]), the user's
+        state copied (its `copy()`), the conversation and trajectory copied; domain, task and renderer shared."""
+        twin = copy.copy(self)
+        twin.env = self.domain.copy_environment(self.env)
+        twin.user = self.user.copy() if callable(getattr(self.user, "copy", None)) else copy.deepcopy(self.user)
+        if hasattr(twin.user, "act"):  # the user's own actions run on the twin's database
+            twin.user.act = twin._user_action
+        twin.trajectory, twin.chat = list(self.trajectory), copy.deepcopy(self.chat)
+        twin.prompt_ids, twin._header = list(self.prompt_ids), list(self._header)
+        twin.calls, twin.call_formats = list(self.calls), list(self.call_formats)
+        return twin
+
     def stop(self, reason: str) -> None:
         if reason not in END_REASONS:
             raise ValueError(f"`reason` must be one of {END_REASONS}, got {reason!r}.")
@@ -166,8 +181,11 @@ def play_tau2_episodes(
     max_turn_tokens: int = 256,
     max_tokens: int = 32768,
     timings: dict | None = None,
+    branching: Sequence[int] | None = None,
+    branch_turns: int = 1,
 ) -> list[Episode]:
-    """Plays `num_generations` episodes of every task with the policy behind `generate`.
+    """Plays `num_generations` episodes of every task with the policy behind `generate` (or, with `branching`, a tree
+    of `prod(branching)` episodes per task that branches at turn boundaries: `envs.rollout.run_sessions`).
 
     Args:
         domain ([`Tau2Domain`]): the domain.
@@ -181,21 +199,31 @@ def play_tau2_episodes(
         max_turns (`int`, *optional*, defaults to `16`), max_turn_tokens (`int`, *optional*, defaults to `256`),
         max_tokens (`int`, *optional*, defaults to `32768`): the episode's limits.
         timings (`dict`, *optional*): receives `"reward_s"`, the seconds tau2's evaluator took.
+        branching (`Sequence[int]`, *optional*): tree rollouts: episodes per level (`num_generations` must be 1);
+            every unfinished episode is copied ([`Tau2Session.copy`]) into the next level's children after
+            `branch_turns` policy turns per level.
+        branch_turns (`int`, *optional*, defaults to `1`): policy turns per level before each branch point.
 
     Returns:
         `list[Episode]`: with `messages` (the chat messages after the prompt), `end_reason`, `reward` (tau2's
         `RewardInfo`) and `shaped` ([`Tau2Session.shaped`]).
     """
     num_generations = check_int("num_generations", num_generations, minimum=1)
+    branching, branch_turns = check_branching(branching, branch_turns)
+    if branching is not None and num_generations != 1:
+        raise ValueError(f"with `branching` each task yields prod(branching) episodes: set `num_generations=1` "
+                         f"(got {num_generations}).")
     sessions, ids = [], []
     for task_id in task_ids:
-        for _ in range(num_generations):
+        for _ in range((branching or [num_generations])[0]):
             task = domain.task(task_id)
             user = user_factory(task) if user_factory is not None else None
             sessions.append(Tau2Session(domain, task_id, renderer, user=user, seed=seed, max_turns=max_turns))
+            if branching is not None:
+                check_copyable(sessions[-1])
             ids.append(task_id)
     episodes, sessions = run_sessions(sessions, ids, generate, max_turn_tokens=max_turn_tokens,
-                                      max_tokens=max_tokens)
+                                      max_tokens=max_tokens, branching=branching, branch_turns=branch_turns)
     start = time.perf_counter()
     for episode, session in zip(episodes, sessions):
         episode.messages, episode.end_reason, episode.reward = session.chat[2:], session.end_reason, session.reward()

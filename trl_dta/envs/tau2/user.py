@@ -28,6 +28,7 @@ the offline tests.
 
 from __future__ import annotations
 
+import copy
 import random
 import re
 
@@ -96,6 +97,12 @@ class ScriptedUser:
         self.act = None
         self._actions = user_action_groups(task)
 
+    def copy(self) -> ScriptedUser:
+        """The same user from here on (the facts not yet told, the replies counted), independent of this one."""
+        twin = copy.copy(self)
+        twin._facts, twin._actions = list(self._facts), list(self._actions)
+        return twin
+
     def reply(self, agent_text: str) -> tuple[str, bool]:
         """The answer to an agent message: `(text, stop)`; `stop` is true when the text carries the stop marker."""
         self.replies += 1
@@ -134,6 +141,12 @@ class LLMUser:
         first, self._state = self._user.generate_next_message(
             t.message.AssistantMessage(role="assistant", content="Hi! How can I help you today?"), self._state)
         self.opening = first.content or ""
+
+    def copy(self) -> LLMUser:
+        """The same user from here on: the simulator shared, its conversation state (`UserState`) copied."""
+        twin = copy.copy(self)
+        twin._state = copy.deepcopy(self._state)
+        return twin
 
     def reply(self, agent_text: str) -> tuple[str, bool]:
         message, self._state = self._user.generate_next_message(
