@@ -48,7 +48,7 @@ from .precision import Precision
 # and tests/test_engine.py). Other families that pass the probe run with a one-time warning.
 TESTED_MODEL_TYPES = frozenset({
     "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "gemma3", "phi3", "granite", "olmo", "gpt_neox",
-    "gpt2", "cohere", "minicpm3", "qwen3_moe", "mixtral", "glm4_moe",
+    "gpt2", "cohere", "minicpm3", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss",
 })
 
 DENSE_ALTERNATIVE = (

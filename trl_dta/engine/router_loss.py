@@ -50,6 +50,7 @@ from ..tree import PrefixTree
 ROUTER_LOSS_FAMILIES: dict[str, str] = {
     "qwen3_moe": "num_experts",
     "mixtral": "num_local_experts",
+    "gpt_oss": "num_local_experts",  # its router's top-k on the logits = the loss's top-k of their softmax
 }
 
 _FIX = "set `router_aux_loss_coef=0.0` in the trainer's config, or `dta_enabled=False` for TRL's dense path"
