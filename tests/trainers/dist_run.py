@@ -179,6 +179,8 @@ def main() -> None:
     parser.add_argument("--expect", default="", help="fsdp2 or deepspeed: assert that this engine really ran")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32", help="make_args's: fp32 or trl (bf16=True)")
     parser.add_argument("--learning_rate", type=float, default=LEARNING_RATE)
+    parser.add_argument("--float64", type=int, default=0, help="load the model in float64 (MoE experts: their eager "
+                        "loop, the grouped matmul has no float64)")
     args = parser.parse_args()
     enable_cpu_engines()
     if not args.variants:
@@ -228,6 +230,7 @@ def train_one(args, dta: int, extra: dict, out, last: bool = True) -> None:
         max_completion_length=4,
         beta=args.beta,  # > 0: reference log-probs recomputed for the fixed completions (`reference_logps`)
         learning_rate=args.learning_rate,
+        model_init_kwargs={"dtype": torch.float64, "experts_implementation": "eager"} if args.float64 else None,
         **extra,
     )
     peft_config = None
@@ -267,7 +270,7 @@ def train_one(args, dta: int, extra: dict, out, last: bool = True) -> None:
     groups = list({id(g): g for m in model.modules() if hasattr(m, "_get_fsdp_state")  # a grouped unit: once
                    for g in m._get_fsdp_state()._fsdp_param_groups if g.fsdp_params}.values())
     ran = probe.result(trainer)
-    assert_precision(ran, args.precision, args.expect)
+    assert_precision(ran, args.precision, args.expect, "float64" if args.float64 else "float32")
     from trl_dta.parallel.fsdp2 import decoder_layers
 
     layers = decoder_layers(model)
@@ -372,13 +375,13 @@ BF16_RUNS = {
 }
 
 
-def assert_precision(ran: dict, precision: str, expect: str) -> None:
-    """The optimizer steps ran in `precision` as accelerate maps it for the engine, so that a silent float32 run (or a
-    bf16 one where float32 was asked for) cannot pass."""
+def assert_precision(ran: dict, precision: str, expect: str, dtype: str = "float32") -> None:
+    """The optimizer steps ran in `precision` as accelerate maps it for the engine (`fp32`: without autocast in the
+    model's `dtype`), so that a silent float32 run (or a bf16 one where float32 was asked for) cannot pass."""
     assert ran["calls"], "no nn.Linear ran in the optimizer steps"
     if precision == "fp32":
-        assert ran["calls"] == [("float32", "float32", False)], ran
-        assert ran["mixed_precision"] == "no" and ran["stored"] == ["float32"], ran
+        assert ran["calls"] == [(dtype, dtype, False)], ran
+        assert ran["mixed_precision"] == "no" and ran["stored"] == [dtype], ran
         return
     weight, stored, autocast = BF16_RUNS[expect]
     assert ran["mixed_precision"] == "bf16" and ran["native_amp"] == autocast, ran
