@@ -242,3 +242,27 @@ def test_triton_parts_fall_back_to_math_in_bf16_under_the_interpreter():
     path = torch.randn(1, 2, 4, 8)
     assert part_kernels(q, path, k, backend="triton") == ("triton", "triton")
     assert part_kernels(q.bfloat16(), path.bfloat16(), k.bfloat16(), backend="triton") == ("math", "math")
+
+
+@pytest.mark.parametrize("backend", ["auto", "sdpa"])
+def test_gpt_oss_bf16_autocast_over_float32_weights(backend):
+    """GPT-OSS (sinks, sliding and full layers, MoE) under TRL's default precision, against the float64 oracle (its
+    experts' eager loop: the grouped matmul has no float64): DTA no worse than the dense bf16 path (its eager
+    attention, which keeps the sink logits in float32 as DTA does)."""
+    import transformers
+    from moe_models import MOE_FAMILIES
+    from test_models import build as build_config
+
+    from conftest import VOCAB
+
+    config = MOE_FAMILIES["gpt_oss"](VOCAB)
+    model = build_config(config, torch.float32)
+    exact = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                          experts_implementation="eager").to(torch.float64).eval()
+    exact.load_state_dict({name: p.double() for name, p in model.state_dict().items()})
+    _, lp64, ent64 = dense_forward_backward(exact, SEQS, loss_fn)
+    dense, dta = _dense_and_dta(model, SEQS, (lp64, ent64, grads_of(exact)), BF16, backend)
+    float32 = _dense_and_dta(model, SEQS, (lp64, ent64, grads_of(exact)), OFF, backend)[0]
+    assert all(b > 10 * f for b, f in zip(dense, float32)), "the dense path did not run in bf16"
+    _assert_no_worse(dense, dta, f"gpt_oss bf16 autocast ({backend})")
+    print(f"gpt_oss {backend}: dense bf16 errors {dense}, DTA/dense {[round(t / d, 3) for d, t in zip(dense, dta)]}")

@@ -24,7 +24,7 @@ after RoPE, v bfloat16) and computes in the dtype autocast gives SDPA, the autoc
 input, the path's keys/values included, is converted there once, and the kernels run with autocast off.
 
 Backends (`DTAEngine(attn_backend=...)`), all exact (GQA without repeating keys, sliding windows, soft-capping,
-padding; float64 where the device has it):
+attention sinks, padding; float64 where the device has it):
 
 | backend  | device                  | path     | kernels                                     | `math` fallback for   |
 |----------|-------------------------|----------|---------------------------------------------|-----------------------|
