@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -97,12 +97,13 @@ def settle(attempt: Callable[[dict], None]) -> tuple[list[str], list[list]]:
 
 @dataclass
 class Case:
-    """A model with blockers: `first` a phrase of each blocker the first message lists (in its order); `left` a phrase
-    of each blocker no setting removes (empty: the model runs once the fixes are applied)."""
+    """A model with blockers and the refusals it must meet: `messages[k]` a phrase of each blocker the k-th message
+    lists, in its order (the next message comes once every fix of the previous one is applied); `refused` whether the
+    last one names only what no setting removes (else the model runs after it)."""
 
     config: Callable[..., object]
-    first: list[str]
-    left: list[str] = field(default_factory=list)
+    messages: list[list[str]]
+    refused: bool = False
 
 
 def _mixtral(**kw):
@@ -110,29 +111,43 @@ def _mixtral(**kw):
                                                          num_local_experts=4, num_experts_per_tok=2), **kw})
 
 
+def check_messages(case: Case, messages: list[str], parsed: list[list]) -> None:
+    assert len(messages) == len(case.messages), messages
+    for message, phrases, blockers in zip(messages, case.messages, parsed):
+        positions = [message.find(phrase) for phrase in phrases]
+        assert all(p >= 0 for p in positions) and positions == sorted(positions), (phrases, message)
+        assert len(blockers) == len(phrases), message
+    fixable = [[kind != "none" for kind, _ in blockers] for blockers in parsed]
+    assert all(any(f) for f in fixable[:-1]), "a refusal before the last one named no fix"
+    if case.refused:
+        assert not any(fixable[-1]), messages[-1]
+    else:
+        assert all(fixable[-1]), messages[-1]
+
+
 JITTER, DYNAMIC, ATTN_DROPOUT = "`router_jitter_noise=0.1`", "rope_type 'dynamic'", "attention_dropout=0.1"
 ENGINE_CASES = {
-    # Features with a fix, together.
+    # Features with a fix, together; attention dropout is refused by the training call, once the model is built.
     "jitter+dynamic-rope+attention-dropout": Case(
         lambda **kw: _mixtral(**{"router_jitter_noise": 0.1, "rope_parameters": DYNAMIC_ROPE, "attention_dropout": 0.1,
-                                 **kw}), [JITTER, DYNAMIC]),  # attention dropout: at the training call (round 2)
+                                 **kw}), [[JITTER, DYNAMIC], [ATTN_DROPOUT]]),
     "two-jitter-fields": Case(lambda **kw: transformers.PhimoeConfig(**{
         **SMALL, **dict(intermediate_size=32, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                        router_jitter_noise=0.01, input_jitter_noise=0.01), **kw}), ["`input_jitter_noise=0.01`"]),
+                        router_jitter_noise=0.01, input_jitter_noise=0.01), **kw}),
+        [["`router_jitter_noise=0.01`, `input_jitter_noise=0.01`"]]),
     # A blocker the probe finds, beside one with a fix: fixing the second leaves the first.
     "own-attention-code+dynamic-rope": Case(lambda **kw: transformers.FalconConfig(**{
-        **SMALL, "alibi": False, "rope_parameters": DYNAMIC_ROPE, **kw}), ["before any layer reaches", DYNAMIC],
-        ["before any layer reaches"]),
+        **SMALL, "alibi": False, "rope_parameters": DYNAMIC_ROPE, **kw}),
+        [["before any layer reaches", DYNAMIC], ["before any layer reaches"]], refused=True),
     # Rules about the attention and the logits: all listed, the probe not run (it would only restate them).
-    "chunked+logit-scaling+jitter": Case(lambda **kw: _mixtral(**{"router_jitter_noise": 0.1,
-                                                                  "attention_chunk_size": 4, "logits_scaling": 2.0,
-                                                                  **kw}),
-                                         ["attention_chunk_size=4", "logits_scaling=2.0", JITTER],
-                                         ["attention_chunk_size=4", "logits_scaling=2.0"]),
-    "alibi": Case(lambda **kw: transformers.FalconConfig(**{**SMALL, "alibi": True, **kw}), ["ALiBi"], ["ALiBi"]),
+    "chunked+logit-scaling+jitter": Case(
+        lambda **kw: _mixtral(**{"router_jitter_noise": 0.1, "attention_chunk_size": 4, "logits_scaling": 2.0, **kw}),
+        [["attention_chunk_size=4", "logits_scaling=2.0", JITTER], ["attention_chunk_size=4", "logits_scaling=2.0"]],
+        refused=True),
+    "alibi": Case(lambda **kw: transformers.FalconConfig(**{**SMALL, "alibi": True, **kw}), [["ALiBi"]], refused=True),
     "state-space": Case(lambda **kw: transformers.MambaConfig(**{"vocab_size": VOCAB, "hidden_size": 32,
                                                                  "num_hidden_layers": 2, **kw}),
-                        ["['linear_attention'] layers"], ["['linear_attention'] layers"]),
+                        [["['linear_attention'] layers"]], refused=True),
 }
 
 
@@ -146,18 +161,7 @@ def test_engine_refusal_names_every_blocker_and_its_fixes_are_enough(name):
         DTAEngine(model).forward_backward([[3, 4, 5, 6], [3, 4, 7]], lambda i, lp, ent: lp.sum())  # in train mode
 
     messages, parsed = settle(attempt)
-    first = messages[0]
-    positions = [first.find(phrase) for phrase in case.first]
-    assert all(p >= 0 for p in positions) and positions == sorted(positions), first
-    if name != "jitter+dynamic-rope+attention-dropout":
-        assert len(parsed[0]) == len(case.first), first
-    if case.left:  # refused in the end, for what no setting removes
-        assert all(kind == "none" for kind, _ in parsed[-1]) and len(parsed[-1]) == len(case.left), messages[-1]
-        assert all(phrase in messages[-1] for phrase in case.left), messages[-1]
-    else:
-        assert all(kind != "none" for p in parsed for kind, _ in p), messages
-    if name == "jitter+dynamic-rope+attention-dropout":  # the training call's check comes once the model is built
-        assert len(messages) == 2 and ATTN_DROPOUT in messages[1] and len(parsed[1]) == 1
+    check_messages(case, messages, parsed)
 
 
 # ------------------------------------------------------------------------------------------------------ trainers
@@ -176,24 +180,26 @@ def _qwen2_moe(vocab, **kw):
                                                           pad_token_id=PAD, eos_token_id=EOS), **kw})
 
 
+# name -> (the saved model's config, trainer settings, PEFT config, the refusals): trainer arguments first (before the
+# model loads), then every blocker of the model in one message.
 TRAINER_CASES = {
-    # Trainer arguments first (before the model loads), then every blocker of the model in one message.
     "args+jitter+attention-dropout": (
-        lambda vocab: _mixtral(vocab_size=vocab, router_jitter_noise=0.1, attention_dropout=0.1, pad_token_id=PAD,
-                               eos_token_id=EOS),
-        dict(fp16=True, optim="lomo"), None,
-        [["`fp16=True` is not supported", "fuses the optimizer step"], [JITTER, ATTN_DROPOUT]]),
+        Case(lambda vocab: _mixtral(vocab_size=vocab, router_jitter_noise=0.1, attention_dropout=0.1,
+                                    pad_token_id=PAD, eos_token_id=EOS),
+             [["`fp16=True` is not supported", "fuses the optimizer step"], [JITTER, ATTN_DROPOUT]]),
+        dict(fp16=True, optim="lomo"), None),
     # TRL's router loss of a family DTA does not reproduce, a fix in words (RoPE) and a prompt-learning adapter.
     "router-loss+dynamic-rope+prompt-tuning": (
-        lambda vocab: _qwen2_moe(vocab, rope_parameters=DYNAMIC_ROPE), {},
-        PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2),
-        [[DYNAMIC, "load-balancing loss", "prompt-learning adapters"]]),
+        Case(lambda vocab: _qwen2_moe(vocab, rope_parameters=DYNAMIC_ROPE),
+             [[DYNAMIC, "load-balancing loss", "prompt-learning adapters"]]),
+        {}, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2)),
     # Dropout modules (TRL's `disable_dropout`).
     "dropout-modules": (
-        lambda vocab: transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=256,
-                                              resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, pad_token_id=PAD,
-                                              eos_token_id=EOS),
-        {}, None, [["dropout is active"]]),
+        Case(lambda vocab: transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=256,
+                                                   resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1,
+                                                   pad_token_id=PAD, eos_token_id=EOS),
+             [["dropout is active"]]),
+        {}, None),
 }
 
 
@@ -201,10 +207,10 @@ TRAINER_CASES = {
 @pytest.mark.parametrize("name", list(TRAINER_CASES))
 def test_trainer_refusal_names_every_blocker_and_its_fixes_are_enough(trainer_setup, name):
     tokenizer, dataset, tmp = trainer_setup
-    make_config, args, peft, expected = TRAINER_CASES[name]
+    case, args, peft = TRAINER_CASES[name]
     torch.manual_seed(0)
     path = tmp.mktemp(name)
-    transformers.AutoModelForCausalLM.from_config(make_config(len(tokenizer))).save_pretrained(path)
+    transformers.AutoModelForCausalLM.from_config(case.config(len(tokenizer))).save_pretrained(path)
     tokenizer.save_pretrained(path)
     trained = []
 
@@ -218,7 +224,23 @@ def test_trainer_refusal_names_every_blocker_and_its_fixes_are_enough(trainer_se
         trained.append([e for e in trainer.state.log_history if "loss" in e])
 
     messages, parsed = settle(attempt)
-    assert len(messages) == len(expected), messages
-    for message, phrases, blockers in zip(messages, expected, parsed):
-        assert len(blockers) == len(phrases) and all(p in message for p in phrases), message
+    check_messages(case, messages, parsed)
     assert trained and trained[0][0]["dta/dense_fallback"] == 0.0, "the fixed model did not train through DTA"
+
+
+def test_blocker_and_refusal_format():
+    """A blocker's fix reads as its settings (one spelling, parsed back by `parse`), words, or none; an empty refusal
+    and settings without a place are errors of the caller."""
+    from trl_dta.refusal import MODEL_CONFIG, TRAINER_CONFIG, Blocker
+
+    blockers = [Blocker("a", settings={"x": 0.0, "y": "z"}, where=MODEL_CONFIG),
+                Blocker("b", settings={"flag": True}, where=TRAINER_CONFIG), Blocker("c", fix="do this"), Blocker("d")]
+    message = str(DTAUnsupportedError("M", blockers))
+    assert parse(message) == [("settings", {"model config": {"x": 0.0, "y": "z"}}),
+                              ("settings", {"trainer's config": {"flag": True}}), ("words", "do this"), ("none", None)]
+    assert "`model_init_kwargs={'x': 0.0, 'y': 'z'}`" in message and message.startswith("M cannot run through DTA:")
+    assert isinstance(DTAUnsupportedError("M", blockers[:1]), (NotImplementedError, ValueError))
+    with pytest.raises(ValueError, match="at least one blocker"):
+        DTAUnsupportedError("M", [])
+    with pytest.raises(ValueError, match="settings go in one of"):
+        Blocker("e", settings={"x": 1})
