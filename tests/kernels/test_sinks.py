@@ -3,15 +3,13 @@ concatenating reference with one more softmax column per head: the output and th
 keys/values, the rows' own keys/values and the sink logits, on causal sibling rows (windows inside the rows and cutting
 into the path, soft-capping, several Triton tiles) and packed subtree rows.
 
-Bounds. float64: 1e-10 relative to `max(|reference|, 1)` (the sums here have at most ~100 terms, so float64 rounding
-is below 1e-13). float32: each result is a chain of sums, and a sum of `n` terms rounds by at most `(n - 1) u` times
-the sum of the terms' magnitudes (`u = 2**-24`, the unit roundoff: Higham, Accuracy and Stability, eq. 4.4). The longest
-chain of a key's gradient is the softmax over the `K = path_len + length + 1` keys (the sink included), the dot
-products over `head_dim` (twice: `dO . V` and the product with the query) and the sum over the `batch * length *
-groups` queries that see the key; with the inputs of these cases (standard normal values, scores of order 1) the terms'
-magnitudes sum to about the result's scale, so `bound = (K + 2 * head_dim + batch * length * groups) * 2u` relative to
-`max(|reference|, 1)` (2u = float32's eps: one more rounding per product). Measured: 7x to 40x below it (sdpa, torch, triton).
-bf16: no worse than 2x the concatenating path's own bf16 error (+1e-3), as `test_two_part.py`'s bf16 test.
+Bounds (`tests/bounds.py`). float64: 1e-10 relative to `max(|reference|, 1)` (exactness). float32: two computations of
+the same attention within `bounds.chain_bound(k)` of each other, `k` the longest chain of rounded operations: a
+score (`head_dim` products and sums), the softmax sum and the value sum over every key and the sink (`K + 1` each),
+the merge of the parts and the sink (5 roundings), and in the backward the same again plus the sums of a path key's
+and the sinks' gradients over every query that sees them (`batch * length * groups` folded queries): `k = 2 (head_dim
++ 2 (K + 1) + 5 + batch * length * groups)`. bf16: relative L2 within the derived multiple of the concatenating
+path's own bf16 error (`bounds.assert_as_precise_as_dense`; the path and the sinks shared by the `batch` rows).
 """
 
 from __future__ import annotations
@@ -19,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bounds import assert_as_precise_as_dense, chain_bound
 from tests.kernels.reference import causal_case, packed_case, reference_attention
 from tests.kernels.test_two_part import BACKEND_PARAMS, CAUSAL, LOW_PRECISION, PACKED, _with, _worst
 from trl_dta.kernels import two_part_attention
@@ -42,9 +41,8 @@ def float32_bound(case) -> float:
     """The derived float32 bound (module docstring) for `case`."""
     batch, n_heads, length, dim = case.query.shape
     groups = n_heads // case.key.shape[1]
-    path_len = 0 if case.path_key is None else case.path_key.shape[2]
-    terms = (path_len + length + 1) + 2 * dim + batch * length * groups
-    return terms * torch.finfo(torch.float32).eps
+    keys = length + (0 if case.path_key is None else case.path_key.shape[2])
+    return chain_bound(2 * (dim + 2 * (keys + 1) + 5 + batch * length * groups))
 
 
 def check(case, sinks, backend, dtype) -> dict[str, float]:
@@ -112,9 +110,10 @@ def test_bad_sinks_are_refused():
 
 @pytest.mark.parametrize("packed", [False, True], ids=["causal", "packed"])
 @pytest.mark.parametrize(("device", "backend"), LOW_PRECISION)
-def test_sinks_bf16_no_worse_than_sdpa(device, backend, packed):
+def test_sinks_bf16_as_precise_as_sdpa(device, backend, packed):
     """bf16 inputs with float32 sinks (GPT-OSS under bf16 autocast: the sink parameter stays float32): error against
-    the float64 reference at most 2x (+1e-3) that of the concatenating path in bf16, output and every gradient."""
+    the float64 reference, in relative L2, within the derived multiple of the concatenating path's own bf16 error,
+    for the output and every gradient."""
     shape = dict(batch=4, n_heads=8, n_kv=2, path_len=300 if device == "cuda" else 40, dim=64, dtype=torch.float64)
     case = packed_case(3, **shape, pad=3) if packed else causal_case(3, length=24, **shape)
     ref_inputs = [*case.inputs(), make_sinks(8, torch.float64)]
@@ -122,12 +121,15 @@ def test_sinks_bf16_no_worse_than_sdpa(device, backend, packed):
     grad_out = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     ref_grads = torch.autograd.grad(ref, ref_inputs, grad_out)
     kwargs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in case.kwargs().items()}
-    errors = {}
+    results = {}
     for name in ("sdpa", backend):
         inputs = [t.detach().to(device, torch.bfloat16).requires_grad_() for t in ref_inputs[:-1]]
         sinks = ref_inputs[-1].detach().to(device, torch.float32).requires_grad_()
         out = two_part_attention(*inputs, sinks=sinks, backend=name, **kwargs)
         grads = torch.autograd.grad(out, [*inputs, sinks], grad_out.to(device, torch.bfloat16))
-        errors[name] = [(a.double().cpu() - b).abs().max().item() for a, b in zip([out, *grads], [ref, *ref_grads])]
-    for ours, theirs in zip(errors[backend], errors["sdpa"]):
-        assert ours <= 2 * theirs + 1e-3, errors
+        results[name] = [t.detach().double().cpu() for t in (out, *grads)]
+    names = ("out", "query", "path_key", "path_value", "key", "value", "sinks")
+    for what, ours, theirs, exact in zip(names, results[backend], results["sdpa"], [ref, *ref_grads]):
+        shared = what.startswith("path") or what == "sinks"
+        assert_as_precise_as_dense(ours, theirs, exact.detach(), f"{backend} {what}",
+                                   sharing=shape["batch"] if shared else None)
