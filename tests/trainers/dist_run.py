@@ -28,6 +28,7 @@ import torch
 from accelerate import PartialState
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/: `bounds`, which the trainers' conftest imports
 from conftest import LEARNING_RATE, PAD, PRECISIONS, build_tokenizer, make_args  # noqa: E402
 from cpu_engines import (  # noqa: E402
     CollectiveCounter,
