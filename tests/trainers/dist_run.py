@@ -289,7 +289,9 @@ def train_one(args, dta: int, extra: dict, out, last: bool = True) -> None:
     if state.is_main_process:
         logs = [e for e in trainer.state.log_history if "loss" in e]
         torch.save({"params": params, "logs": logs, "collectives": counts, "steps": args.steps,
-                    "engine_calls": engine_calls_per_rank, "settings": extra, "precision": ran, "initial": initial},
+                    "engine_calls": engine_calls_per_rank, "settings": extra, "precision": ran, "initial": initial,
+                    "batch": {"per_device_train_batch_size": per_device, "gradient_accumulation_steps": args.ga,
+                              "num_processes": state.num_processes}},
                    out)
     if not last:
         state.wait_for_everyone()
