@@ -74,6 +74,30 @@ def parse_dtype(name: str) -> torch.dtype:
 # ---------------------------------------------------------------------------------------------------- model
 
 
+def _gpt_oss_config(shape: ModelShape, common: dict):
+    """GPT-OSS at `shape`'s width: attention sinks, sliding (window 128) and full layers alternating, 4 experts of
+    half the shape's MLP width with 2 routed per token (so the active MLP FLOPs are the shape's), its eager attention
+    (transformers has no SDPA one for its sinks) and its router loss coefficient."""
+    from transformers import GptOssConfig
+
+    return GptOssConfig(**{**common, "attn_implementation": "eager"}, intermediate_size=shape.intermediate_size // 2,
+                        num_local_experts=4, num_experts_per_tok=2, sliding_window=128,
+                        rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                         "truncate": False, "rope_theta": 150000.0,
+                                         "original_max_position_embeddings": common["max_position_embeddings"] // 32})
+
+
+def _qwen_config(shape: ModelShape, common: dict):
+    from transformers import Qwen2Config, Qwen3Config
+
+    return (Qwen3Config if shape.name.startswith("qwen3") else Qwen2Config)(
+        **common, intermediate_size=shape.intermediate_size, tie_word_embeddings=True)
+
+
+# Model families of the benchmarks at a `ModelShape`'s width: family -> config builder (`build_model(family=...)`).
+FAMILIES: dict[str, Callable] = {"qwen": _qwen_config, "gpt_oss": _gpt_oss_config}
+
+
 def build_model(
     shape: str | ModelShape,
     dtype: torch.dtype = torch.float32,
@@ -81,9 +105,11 @@ def build_model(
     seed: int = 0,
     attn_implementation: str = "sdpa",
     max_position_embeddings: int = 32768,
+    family: str = "qwen",
 ):
-    """A Qwen2-shaped (Qwen3-shaped for `qwen3-*` shapes) causal LM with random weights, in train mode; a hybrid shape
-    (`recurrent_layers > 0`) builds a Qwen3.5 text model (Gated DeltaNet) or a Nemotron-H (Mamba2), `_hybrid_config`.
+    """A causal LM of `shape` with random weights, in train mode: Qwen2-shaped (Qwen3-shaped for `qwen3-*` shapes),
+    or another family of `FAMILIES` at the same width; a hybrid shape (`recurrent_layers > 0`) builds a Qwen3.5 text
+    model (Gated DeltaNet) or a Nemotron-H (Mamba2), `_hybrid_config`.
 
     Args:
         shape (`str` or [`~trl_dta.flops.ModelShape`]): the model's shape (a name of `trl_dta.flops.MODEL_SHAPES`).
@@ -92,38 +118,25 @@ def build_model(
         seed (`int`, *optional*, defaults to `0`): initialisation seed (the global RNG is left untouched).
         attn_implementation (`str`, *optional*, defaults to `"sdpa"`): attention backend of the dense path.
         max_position_embeddings (`int`, *optional*, defaults to `32768`): longest position (RoPE table).
+        family (`str`, *optional*, defaults to `"qwen"`): one of `FAMILIES`.
     """
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; choose one of {sorted(FAMILIES)}")
     shape = get_model_shape(shape)
     if shape.recurrent_layers:
-        from transformers import AutoModelForCausalLM
-
         config = _hybrid_config(shape, max_position_embeddings, attn_implementation, dtype)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            with torch.device(device):
-                model = AutoModelForCausalLM.from_config(config).to(dtype)
-        return model.train()
-    qwen3 = shape.name.startswith("qwen3")
-    config_cls, model_cls = (Qwen3Config, Qwen3ForCausalLM) if qwen3 else (Qwen2Config, Qwen2ForCausalLM)
-    config = config_cls(
-        vocab_size=shape.vocab_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
-        attn_implementation=attn_implementation,
-        dtype=dtype,
-    )
+    else:
+        common = dict(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, num_hidden_layers=shape.num_layers,
+                      num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
+                      head_dim=shape.head_dim, max_position_embeddings=max_position_embeddings,
+                      attn_implementation=attn_implementation, dtype=dtype)
+        config = FAMILIES[family](shape, common)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         with torch.device(device):
-            model = model_cls(config).to(dtype)
+            model = AutoModelForCausalLM.from_config(config).to(dtype)
     return model.train()
 
 

@@ -13,8 +13,9 @@ stored once (no expand, no concatenation), see `two_part`. What each backend run
 
 (*) and CPU under `TRITON_INTERPRET=1` (tests only: no bf16, slow). `auto` picks per device from `AUTO` (CPU:
 `torch`; CUDA: `flash` when installed, else `torch`), measured with `benchmarks/bench_attention.py`. Every backend
-is exact (GQA without repeating the path, sliding windows, soft-capping, padding); `math` is the plain-PyTorch part
-kernel (one part's scores materialised transiently, the path still stored once).
+is exact (GQA without repeating the path, sliding windows, soft-capping, attention sinks, padding); `math` is the
+plain-PyTorch part kernel (one part's scores materialised transiently, the path still stored once). Sinks enter at
+the merge (`two_part`), so every part kernel serves them unchanged.
 """
 
 from .masks import PartMask, key_end_from_row_mask
