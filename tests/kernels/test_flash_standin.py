@@ -17,9 +17,9 @@ from trl_dta.kernels import PartMask, available_backends, part_kernels, resolve_
 from trl_dta.kernels.flash_parts import flash_forward
 
 # flash-attn 2.8.3's schemas, as `torch.library.custom_op` infers them from its `flash_attn_interface.py`.
-FORWARD_SCHEMA = ("_flash_attn_forward(Tensor q, Tensor k, Tensor v, float dropout_p, float softmax_scale, bool causal, "
-                  "SymInt window_size_left, SymInt window_size_right, float softcap, Tensor? alibi_slopes, "
-                  "bool return_softmax) -> (Tensor, Tensor, Tensor, Tensor)")
+FORWARD_SCHEMA = ("_flash_attn_forward(Tensor q, Tensor k, Tensor v, float dropout_p, float softmax_scale, "
+                  "bool causal, SymInt window_size_left, SymInt window_size_right, float softcap, "
+                  "Tensor? alibi_slopes, bool return_softmax) -> (Tensor, Tensor, Tensor, Tensor)")
 BACKWARD_SCHEMA = ("_flash_attn_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
                    "Tensor(a6!)? dq, Tensor(a7!)? dk, Tensor(a8!)? dv, float dropout_p, float softmax_scale, "
                    "bool causal, SymInt window_size_left, SymInt window_size_right, float softcap, "
