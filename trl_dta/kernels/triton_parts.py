@@ -241,7 +241,7 @@ class LaunchConfig:
 # way, far below sm_90's 232,448 B. Figures of Triton 3.9's offline compile for sm_90 (`benchmarks/triton_variants.py`).
 CUDA_LAUNCH = {
     ("forward", 64): LaunchConfig(64, 64, 4, 2),
-    ("forward", 128): LaunchConfig(64, 64, 4, 2),
+    ("forward", 128): LaunchConfig(64, 32, 4, 2),
     ("dkdv", 64): LaunchConfig(32, 64, 8, 2),
     ("dkdv", 128): LaunchConfig(32, 64, 8, 2),
     ("dq", 64): LaunchConfig(64, 16, 4, 2),
