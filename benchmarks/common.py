@@ -232,9 +232,9 @@ def start_method() -> str:
 
     A forked child inherits the imported modules (no import time per run) but cannot use CUDA once the parent has
     touched it: `torch.cuda.is_available()` alone makes later forks fail with "Cannot re-initialize CUDA in forked
-    subprocess". A fork server is a fresh process, started before the parent's first CUDA call matters, that imports
-    `preload` once and forks every child from itself: CUDA-safe, and still no import per run. `spawn` imports
-    everything per child.
+    subprocess". A fork server is a fresh interpreter (started by exec, so the parent's CUDA state does not reach it)
+    that imports the preloaded modules once and forks every child from itself: CUDA-safe, and no import per run.
+    `spawn` imports everything per child.
     """
     method = os.environ.get("DTA_BENCH_START_METHOD")
     if method is None:

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The GPU check in one unattended command (issue 23): on a lent H200, within GPU_CHECK_BUDGET seconds (420 by default)
+# The GPU check in one unattended command (issue 23): on a lent H200, within GPU_CHECK_BUDGET seconds (480 by default)
 # including the install, every step under its own time limit and the whole under the budget's deadline.
 #
 #   bash benchmarks/gpu_check.sh                   # on the GPU machine, from a checkout carrying .whl/
 #   bash benchmarks/gpu_check.sh --dry-run         # on a CPU: the same steps at tiny sizes, installed the same way
-#   bash benchmarks/gpu_check.sh --only throughput-1.7b,summary     # a rerun of some steps
+#   GPU_CHECK_BUDGET=200 bash benchmarks/gpu_check.sh --only throughput-1.7b   # a rerun of some steps (versions,
+#                                                  # install, env and summary always run)
 #
 # Steps, in priority order (a step that cannot finish before the deadline is skipped, with a line saying so):
 #   versions     nvidia-smi, Python, the packages already there; no CUDA: stop (without --dry-run)
@@ -45,7 +46,7 @@ LOG=$OUT/gpu_check.log
 exec > >(tee -a "$LOG") 2>&1
 TEE=$!
 trap 'exec >&- 2>&-; wait "$TEE" 2>/dev/null' EXIT  # the log complete before the files are collected
-BUDGET=${GPU_CHECK_BUDGET:-420}
+BUDGET=${GPU_CHECK_BUDGET:-480}
 START=$(date +%s)
 DEADLINE=$((START + BUDGET))
 SLOW=1  # the dry run's Triton kernels run in the (slow) interpreter on 2 CPU cores: time limits x 4
@@ -58,7 +59,7 @@ status=0
 export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 TRL_EXPERIMENTAL_SILENCE=1 DTA_BENCH_START_METHOD=forkserver
 echo "gpu_check $(date -u +%FT%TZ) ${DRY:-(GPU run)} budget ${BUDGET}s x $SLOW, out $OUT"
 
-wanted() { [ -z "$ONLY" ] || [[ "$ONLY" == *",$1,"* ]]; }
+wanted() { [ -z "$ONLY" ] || [[ ",versions,install,env,summary,$ONLY" == *",$1,"* ]]; }
 # step NAME LIMIT_S CMD...: run CMD under min(LIMIT x SLOW, time to the deadline); say how it ended
 step() {
     local name=$1 limit=$(($2 * SLOW)); shift 2

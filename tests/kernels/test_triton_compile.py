@@ -2,9 +2,10 @@
 `GPUTarget("cuda", 90 | 80, 32)` with Triton's bundled `ptxas` (`benchmarks/triton_variants.py`, `--selection ci`).
 
 Every variant the dispatcher can launch for sm_90 (the lent H200) in bf16 (TRL's default precision): each kernel x
-head_dim (64, 128) x mask-flag set that `two_part` plans. For fp16 on sm_90 and bf16/fp16 on sm_80, the two variants
-with the most mask code (the own part with every flag, the path part with window and soft-cap), to stay within CI's
-budget (`python -m benchmarks.triton_variants` compiles them all; `benchmarks/RESULTS.md` has the table).
+head_dim (64, 128) x mask-flag set that `two_part` plans (72). For fp16 on sm_90 and bf16/fp16 on sm_80, the variant
+with the most mask code (the own part with every flag) per kernel and head_dim (18), to stay within CI's budget: a
+variant takes 1-4 s on one core (`python -m benchmarks.triton_variants` compiles all 288; `benchmarks/RESULTS.md`
+has the table).
 
 Checked: no compile error; shared memory within the architecture's per-block limit; on sm_90 no register spill (the
 launch configurations were chosen for that, `triton_parts.CUDA_LAUNCH`). On sm_80 (A100, never lent here, not tuned)
