@@ -297,7 +297,7 @@ class Worker:
         return value
 
     def submit(self, name: str, *args) -> None:
-        """Start the call `name(*args)` without waiting; [`result`] returns its answer (workers then run side by side)."""
+        """Start the call `name(*args)` without waiting; [`result`] returns its answer (workers run side by side)."""
         if not self.isolate:
             self._pending = getattr(self.obj, name)(*args)
             return

@@ -13,13 +13,11 @@ then fails unless every planned row exists without an error). `--deadline` (epoc
 it is skipped, with a row that says so.
 
 **Throughput** (`throughput.csv`). Methods, all under TRL's precision (float32 parameters, bf16 autocast):
-
-| method | what runs |
-|---|---|
-| `dense-ckpt` | TRL's default dense path: micro-batches of 8 padded rows (`per_device_train_batch_size`), HF gradient checkpointing (`gradient_checkpointing=True`), TRL's fused LM head (`baselines/dense.py`) |
-| `dense` | the same without checkpointing (where it fits) |
-| `sparse` | packed tree mask (`baselines/sparse.py`): the tree tokens in packed rows of at most 8,192, ancestor-or-self mask, block-sparse attention: the seed's "sparse" baseline |
-| `dta-torch`, `dta-triton` | `DTAEngine.forward_backward` on the named attention backend, every graph kept |
+`dense-ckpt`, TRL's default dense path (micro-batches of 8 padded rows, `per_device_train_batch_size`; HF gradient
+checkpointing, `gradient_checkpointing=True`; TRL's fused LM head: `baselines/dense.py`); `dense`, the same without
+checkpointing (where it fits); `sparse`, the packed tree mask (`baselines/sparse.py`: the tree tokens in packed rows
+of at most 8,192, ancestor-or-self mask, block-sparse attention), the seed's "sparse" baseline; `dta-torch`,
+`dta-triton`, `DTAEngine.forward_backward` on the named attention backend, every graph kept.
 
 Workloads: `tau2-airline` (per-turn rows of real airline episodes, `workloads.tau2_airline`) and the GRPO batch
 `grpo-p1024-g16-c256`. One worker process per method (`common.Worker`; a fork server on CUDA) builds the model and its
@@ -357,109 +355,10 @@ def _announce(step, shape, grid):
                    f"{tree.n_tree_tokens} tree tokens ({tree.compression_ratio:.1f}x) [{w.description}]")
 
 
-# ---------------------------------------------------------------------------------------------------- summary
-
-
-FILE_OF = {"throughput": "throughput.csv", "trainer": "trainer.csv", "prefix-memory": "prefix_memory.csv"}
-
-
-def planned(step: str, dry_run: bool) -> tuple[list[str], tuple[str, ...]]:
-    """The workloads and methods a step measures."""
-    if step == "throughput":
-        return list(WORKLOADS), METHODS
-    if step == "trainer":
-        return [WORKLOADS[1]], TRAINER_METHODS
-    return [w.name for w in prefix_workloads(dry_run, DRY_DIMS["vocab_size"])], PREFIX_METHODS
-
-
-def check(out: Path, expect: list[tuple[str, str]], dry_run: bool) -> list[str]:
-    """What a complete run lacks: for each `(step, model)` of `expect`, a measured, error-free row per workload and
-    method in the step's file, with every column of `COLUMNS`."""
-    problems = []
-    for step, model in expect:
-        name = FILE_OF[step]
-        rows = read_rows(out / name)
-        if not rows:
-            problems.append(f"{name}: no rows")
-            continue
-        if set(COLUMNS) - set(rows[0]):
-            problems.append(f"{name}: missing columns {sorted(set(COLUMNS) - set(rows[0]))}")
-        shape = shape_of(model, dry_run).name
-        names, methods = planned(step, dry_run)
-        for workload in names:
-            for method in methods:
-                row = next((r for r in reversed(rows) if (r["model_shape"], r["workload"], r["method"]) ==
-                            (shape, workload, method)), None)
-                if row is None or not row.get("tokens_per_s") or row.get("error"):
-                    problems.append(f"{name}: {shape} {workload} {method}: "
-                                    + ("no row" if row is None else row.get("error") or "no tokens/s"))
-    return problems
-
-
-def _table(rows, columns) -> str:
-    return common.markdown_table(rows, columns) if rows else "(no rows)"
-
-
 def summary(args) -> None:
-    out = args.out
-    parts = ["# GPU check: summary", ""]
-    throughput_rows = read_rows(out / "throughput.csv")
-    parts += ["## Throughput (tokens/s of rollout tokens; ratios per workload)", "",
-              _table(throughput_rows, ["model_shape", "workload", "method", "n_tokens", "compression_ratio",
-                                       "tokens_per_s", "vs_dense_ckpt", "vs_sparse", "vs_dense", "peak_mem_mb",
-                                       "mem_vs_dense_ckpt", "error"]), ""]
-    parts += ["## Trainer step (TRL's defaults)", "",
-              _table(read_rows(out / "trainer.csv"), ["model_shape", "workload", "method", "step_s", "tokens_per_s",
-                                                      "vs_trl", "peak_mem_mb", "mem_vs_trl", "error"]), ""]
-    parts += ["## Prefix memory", "", _table(read_rows(out / "prefix_memory.csv"),
-                                             ["model_shape", "workload", "method", "peak_mem_mb", "mem_vs_first",
-                                              "step_s", "error"]), ""]
-    correctness = read_rows(out / "correctness.csv")
-    if correctness:
-        bad = [r for r in correctness if r.get("ok") != 1.0]
-        parts += ["## Correctness", "", f"{len(correctness) - len(bad)} of {len(correctness)} checks passed"
-                  + ("" if not bad else ": failed " + ", ".join(f"{r['family']}/{r['backend']}/{r['precision']}"
-                                                                for r in bad)), ""]
-    (out / "summary.md").write_text("\n".join(parts))
-    print("\n".join(parts))
-    if throughput_rows:
-        _plot(throughput_rows, out / "throughput.png")
-    expect = [tuple(pair.split("=", 1)) for pair in args.expect]
-    problems = check(out, expect, args.dry_run)
-    for problem in problems:
-        print("NOT MEASURED " + problem)
-    if expect and not problems:
-        print(f"every planned row measured: {', '.join(f'{s} {m}' for s, m in expect)}")
-    if problems and args.dry_run:
-        raise SystemExit(f"FAIL: {len(problems)} planned rows missing or failed")
+    from .gpu_summary import summary as write_summary
 
-
-def _plot(rows, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    groups = list(dict.fromkeys((r["model_shape"], r["workload"]) for r in rows))
-    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(groups)), 4.5))
-    width = 0.8 / len(METHODS)
-    for m, method in enumerate(METHODS):
-        xs, ys = [], []
-        for g, (shape, workload) in enumerate(groups):
-            r = next((r for r in rows if (r["model_shape"], r["workload"], r["method"]) == (shape, workload, method)
-                      and r.get("tokens_per_s")), None)
-            if r:
-                xs.append(g + (m - (len(METHODS) - 1) / 2) * width)
-                ys.append(r["tokens_per_s"])
-        ax.bar(xs, ys, width, label=method)
-    ax.set_yscale("log")
-    ax.set_xticks(range(len(groups)), [f"{s}\n{w}" for s, w in groups], fontsize=8)
-    ax.set_ylabel("rollout tokens / s")
-    ax.set_title("GPU check: throughput per method (bf16 autocast)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    write_summary(args.out, [tuple(pair.split("=", 1)) for pair in args.expect], args.dry_run)
 
 
 STEPS_BY_NAME = {"throughput": throughput, "trainer": trainer, "prefix-memory": prefix_memory, "summary": summary}

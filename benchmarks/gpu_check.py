@@ -35,7 +35,6 @@ that cannot run here (flash-attn not installed) are skipped with a line saying w
 from __future__ import annotations
 
 import argparse
-import copy
 import csv
 import importlib.metadata
 import importlib.util
