@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib.metadata
+import io
 import importlib.util
 import os
 import sys
@@ -203,8 +204,9 @@ def _cases(family: str, backends: list[str], dry_run: bool):
                 yield precision, autocast, backend, pack
 
 
-def check_family(family: str, backends: list[str], dry_run: bool) -> list[dict]:
-    """Every case of `family` (see the module docstring): one row each, printed as it is measured."""
+def check_family(family: str, backends: list[str], dry_run: bool, path: Path) -> list[dict]:
+    """Every case of `family` (see the module docstring): one row each, printed and appended to `path` (CSV, its
+    header already written) as it is measured."""
     from benchmarks import common, workloads
     from tests.conftest import use_input_dtype_norms
 
@@ -235,6 +237,7 @@ def check_family(family: str, backends: list[str], dry_run: bool) -> list[dict]:
         rows.append(dict(family=family, backend=backend, max_pack_tokens=pack, precision=precision, logp_err=err[0],
                          grad_err=err[1], dense_logp_err=dense[precision][0], dense_grad_err=dense[precision][1],
                          logp_ratio=ratios[0], grad_ratio=ratios[1], bar=bar, ok=int(good), device=device.type))
+        _append(path, rows[-1])
     return rows
 
 
@@ -245,9 +248,12 @@ def correctness(args) -> bool:
     backends = backends_here(device_of(args.dry_run))
     jobs = args.jobs or (1 if args.dry_run else len(FAMILIES))
     path = Path(args.out) / "correctness.csv"
+    if not path.exists():  # the header once, before the families' processes append their rows
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(",".join(COLUMNS) + "\n")
     ok = True
     for start in range(0, len(FAMILIES), jobs):
-        running = [common.start_isolated(check_family, family, backends, args.dry_run, isolate=jobs > 1)
+        running = [common.start_isolated(check_family, family, backends, args.dry_run, path, isolate=jobs > 1)
                    for family in FAMILIES[start:start + jobs]]
         for family, worker in zip(FAMILIES[start:start + jobs], running):
             try:
@@ -257,21 +263,18 @@ def correctness(args) -> bool:
                 ok, rows = False, []
             finally:
                 worker.close()
-            for row in rows:
-                ok &= bool(row["ok"])
-                _append(path, row)
+            ok &= all(row["ok"] for row in rows)
     _say(f"correctness: {'OK' if ok else 'FAIL'} -> {path}")
     return ok
 
 
 def _append(path: Path, row: dict) -> None:
-    new = not path.exists()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """One row in one write (processes append side by side)."""
+    line = io.StringIO()
+    csv.DictWriter(line, fieldnames=COLUMNS).writerow(
+        {k: ("" if v is None else f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()})
     with open(path, "a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        if new:
-            writer.writeheader()
-        writer.writerow({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()})
+        f.write(line.getvalue())
 
 
 # ---------------------------------------------------------------------------------------------- the dry run's image
