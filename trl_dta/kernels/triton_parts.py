@@ -235,12 +235,14 @@ class LaunchConfig:
 # float32 accumulators (forward: the (block_m, D) output; dK/dV: two (block_n, D) tiles; dQ: one (block_m, D)) spread
 # over `32 * num_warps` threads, plus the operand and score tiles. At D = 128 with 4 warps, 64 x 64 tiles give dK/dV
 # 2 * 64 * 128 / 128 = 128 accumulator registers per thread before any operand, and it spilled 1.2-1.6 KB per thread
-# (255 registers, sm_90, every mask flag on); with 8 warps and a 32-query step it needs 228 registers, no spill. dQ
-# with 64 x 64 spilled 88-224 B at either warp count; 64 x 16 key tiles need 238 (8 warps), no spill. Two pipeline
-# stages: a third added registers (the forward spilled 24 B at D = 128) for at most 67 KB of shared memory either
-# way, far below sm_90's 232,448 B. Figures of Triton 3.9's offline compile for sm_90 (`benchmarks/triton_variants.py`).
+# (255 registers, sm_90, every mask flag on); with 8 warps and a 32-query step it needs at most 250, no spill. dQ with
+# 64 x 64 spilled 88-224 B at either warp count; 64 x 16 key tiles need at most 244 (8 warps at D = 128). The forward
+# spilled with 64 x 64 (4 B at D = 128 under Triton 3.9, 12 B at D = 64 under 3.6, the GPU machine's); 64 x 32 needs
+# at most 226. Two pipeline stages: a third added registers (the forward spilled 24 B) for at most 67 KB of shared
+# memory either way, far below sm_90's 232,448 B. Figures: Triton 3.9 and 3.6, offline for sm_90, every mask-flag
+# set (`benchmarks/triton_variants.py`; the table in benchmarks/RESULTS.md).
 CUDA_LAUNCH = {
-    ("forward", 64): LaunchConfig(64, 64, 4, 2),
+    ("forward", 64): LaunchConfig(64, 32, 4, 2),
     ("forward", 128): LaunchConfig(64, 32, 4, 2),
     ("dkdv", 64): LaunchConfig(32, 64, 8, 2),
     ("dkdv", 128): LaunchConfig(32, 64, 8, 2),
