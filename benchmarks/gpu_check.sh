@@ -53,7 +53,8 @@ SLOW=1  # the dry run's Triton kernels run in the (slow) interpreter on 2 CPU co
 # The steps end by the deadline (a step killed there gets 10 s to go); the summary's 30 s come after it.
 DEADLINE=$((START + BUDGET * SLOW - 40))
 WORK=${GPU_CHECK_WORK:-/tmp/gpu-check}
-# Named site-packages on purpose: dill (datasets' fingerprints) pickles modules found elsewhere by value, and fails.
+# Named site-packages on purpose: dill (datasets' fingerprints) pickles the modules of packages found outside such a
+# folder by value, and fails on pyarrow's types (the dry run's image folder is named so for the same reason).
 SITE=$WORK/site-packages
 PY=python3
 status=0
