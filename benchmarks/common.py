@@ -82,7 +82,8 @@ def build_model(
     attn_implementation: str = "sdpa",
     max_position_embeddings: int = 32768,
 ):
-    """A Qwen2-shaped (Qwen3-shaped for `qwen3-*` shapes) causal LM with random weights, in train mode.
+    """A Qwen2-shaped (Qwen3-shaped for `qwen3-*` shapes) causal LM with random weights, in train mode; a hybrid shape
+    (`recurrent_layers > 0`) builds a Qwen3.5 text model (Gated DeltaNet) or a Nemotron-H (Mamba2), `_hybrid_config`.
 
     Args:
         shape (`str` or [`~trl_dta.flops.ModelShape`]): the model's shape (a name of `trl_dta.flops.MODEL_SHAPES`).
@@ -95,6 +96,15 @@ def build_model(
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     shape = get_model_shape(shape)
+    if shape.recurrent_layers:
+        from transformers import AutoModelForCausalLM
+
+        config = _hybrid_config(shape, max_position_embeddings, attn_implementation, dtype)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(config).to(dtype)
+        return model.train()
     qwen3 = shape.name.startswith("qwen3")
     config_cls, model_cls = (Qwen3Config, Qwen3ForCausalLM) if qwen3 else (Qwen2Config, Qwen2ForCausalLM)
     config = config_cls(
@@ -115,6 +125,37 @@ def build_model(
         with torch.device(device):
             model = model_cls(config).to(dtype)
     return model.train()
+
+
+def _hybrid_config(shape: ModelShape, max_position_embeddings: int, attn_implementation: str, dtype):
+    """The transformers config of a hybrid `shape`: Gated DeltaNet as Qwen3.5 lays it out (three linear-attention
+    layers, then a full-attention one), Mamba2 as Nemotron-H (`M` Mamba2, `-` MLP, `*` attention blocks: Mamba2 and
+    MLP alternating, the attention blocks last)."""
+    from transformers import NemotronHConfig, Qwen3_5TextConfig
+
+    common = dict(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+                  num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
+                  num_key_value_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                  max_position_embeddings=max_position_embeddings, tie_word_embeddings=True,
+                  attn_implementation=attn_implementation, dtype=dtype)
+    if shape.recurrent_kind == "gated_deltanet":
+        kinds = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(shape.num_layers)]
+        config = Qwen3_5TextConfig(**common, layer_types=kinds, linear_num_value_heads=shape.recurrent_heads,
+                                   linear_num_key_heads=shape.recurrent_groups,
+                                   linear_key_head_dim=shape.recurrent_key_dim,
+                                   linear_value_head_dim=shape.recurrent_value_dim,
+                                   linear_conv_kernel_dim=shape.conv_kernel)
+    else:
+        pattern = "".join("M-"[i % 2] for i in range(shape.recurrent_layers + shape.n_mlp_layers))
+        pattern += "*" * shape.n_attention_layers
+        config = NemotronHConfig(**common, hybrid_override_pattern=pattern, mamba_num_heads=shape.recurrent_heads,
+                                 mamba_head_dim=shape.recurrent_value_dim, ssm_state_size=shape.recurrent_key_dim,
+                                 n_groups=shape.recurrent_groups, conv_kernel=shape.conv_kernel,
+                                 chunk_size=shape.chunk_size)
+    got = ModelShape.from_config(config, name=shape.name)
+    if got != shape:
+        raise ValueError(f"{shape.name}: the built config has the shape {got}, not {shape}")
+    return config
 
 
 def make_optimizer(model) -> torch.optim.Optimizer:

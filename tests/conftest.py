@@ -63,6 +63,19 @@ def use_input_dtype_norms(model):
     return model
 
 
+def float64_twin(model):
+    """A float64 copy of `model` (the same weights, exactly) with RMSNorm in float64: the reference a float32 or bf16
+    computation with `model` is judged against (`bounds.py`); MoE experts in their eager (float64-capable) form. Gemma 2's
+    eager attention still rounds its softmax to float32: its twin carries u32 per probability, an order below the
+    float32 computations' own errors."""
+    import copy
+
+    twin = copy.deepcopy(model).double()
+    if getattr(twin.config, "_experts_implementation", None) not in (None, "eager"):
+        twin.set_experts_implementation("eager")  # the grouped-matmul experts have no float64
+    return use_input_dtype_norms(twin)
+
+
 def make_model(family: str, dtype=torch.float64, *, exact_norms: bool | None = None, seed: int = 0, **overrides):
     """A tiny causal LM of `family` with random weights (norm weights perturbed too, so their gradients matter)."""
     cls, kw = FAMILIES[family]
@@ -116,3 +129,31 @@ def domain():
     from trl_dta.envs import RetailDomain
 
     return RetailDomain(seed=0)
+
+
+@pytest.fixture(autouse=True)
+def _bounds_test_id(request):
+    """Tells `bounds.RECORD` which test a relative comparison belongs to."""
+    import bounds
+
+    bounds.CURRENT_TEST[0] = request.node.nodeid
+    yield
+
+
+def pytest_sessionfinish(session):
+    """With `DTA_BOUNDS_REPORT=path`, every relative precision comparison of the run (`bounds.RECORD`) as JSON lines:
+    the measured ratios of DTA's error to the dense path's, per test, for the record (issue 21)."""
+    path = os.environ.get("DTA_BOUNDS_REPORT")
+    if not path:
+        return
+    import json
+    import sys
+
+    bounds = sys.modules.get("bounds")
+    if bounds is None:
+        return
+    with open(path, "a") as f:
+        for test, what, dta, dense, slack in bounds.RECORD:
+            f.write(json.dumps({"test": test, "what": what, "dta": dta, "dense": dense, "ratio": dta / dense,
+                                "slack": slack, "threads": torch.get_num_threads(),
+                                "capability": torch.backends.cpu.get_cpu_capability()}) + "\n")

@@ -335,3 +335,21 @@ def test_conversation_layouts_per_rank(tmp_path, capsys):
         analyze(episodes, rows=per_turn[:3])
     with pytest.raises(AnalysisError, match="`rows` holds no training row"):
         analyze(episodes, rows=[[] for _ in episodes])
+
+
+def test_hybrid_model_shape_from_config_path(tmp_path, capsys):
+    """A hybrid's config folder (Qwen3.5: Gated DeltaNet and attention layers): the predicted speed-up and the memory
+    estimate use its layer kinds (`flops.ModelShape` recurrent fields), as the named shape `qwen3.5-9b` does."""
+    from transformers import Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, vocab_size=300, linear_num_value_heads=4,
+                               linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
+    config.save_pretrained(tmp_path / "tiny-qwen3.5")
+    src = write_jsonl(tmp_path / "r.jsonl", [{"input_ids": s} for s in SEQS])
+    result = run_json(["analyze", src, "--model-shape", str(tmp_path / "tiny-qwen3.5")], capsys)
+    shape = get_model_shape(config)
+    assert (shape.attention_layers, shape.recurrent_layers, shape.recurrent_kind) == (1, 3, "gated_deltanet")
+    assert result["ideal_speedup"] == pytest.approx(ideal_ratio(SEQS, shape))
+    assert result["peak_memory"]["torch"]["total"] == peak_memory(SEQS, shape, "torch").total
+    assert run_json(["analyze", src, "--model-shape", "qwen3.5-9b"], capsys)["model_shape"] == "qwen3.5-9b"

@@ -159,3 +159,43 @@ def test_combinations_of_sharing_and_depth():
 
 
 # ---------------------------------------------------------------------------------------------------- peak memory
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "bamba"])
+def test_hybrid_shape_counts_the_model_forward(family):
+    """A hybrid's shape read from its config (`ModelShape.from_config`: attention, recurrent and MLP layers) counts
+    the matmul FLOPs of the real forward as torch's `FlopCounterMode` measures them, within 15%: what the formula
+    leaves out (the decays' and gates' elementwise work, the chunked scans' padding to whole chunks) is a few percent
+    of a layer (measured: 4%, 8% and 10% under)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hybrid_models import make_hybrid
+
+    model = make_hybrid(family, torch.float32).eval()
+    shape = ModelShape.from_config(model.config)
+    assert shape.recurrent_layers == 2 and shape.recurrent_flops_per_token > 0
+    length = 128
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(torch.randint(3, 61, (1, length)), use_cache=False)
+    count = dense_flops([length], shape, training=False)
+    predicted = count.linear + count.attention + length * shape.lm_head_flops_per_position  # the forward projects all
+    assert abs(predicted / counter.get_total_flops() - 1) <= 0.15, (predicted, counter.get_total_flops())
+
+
+def test_hybrid_attention_grows_only_in_attention_layers():
+    """The state of a recurrent layer does not grow with the path: only the attention layers' per-key term does, so a
+    deep tree's ideal speed-up on a hybrid is closer to its compression ratio than on the attention-only model of the
+    same width."""
+    import transformers
+
+    hybrid = ModelShape.from_config(transformers.Qwen3_5TextConfig())
+    assert hybrid.to_dict() == {**MODEL_SHAPES["qwen3.5-9b"].to_dict(), "name": hybrid.name}
+    dense = ModelShape(**{k: v for k, v in hybrid.to_dict().items()
+                          if k in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                                   "head_dim", "vocab_size")})
+    assert hybrid.attention_flops_per_key * 4 == dense.attention_flops_per_key  # 8 of 32 layers attend
+    seqs = [[0] * 8000 + [1 + k] * 200 for k in range(8)]
+    tree = PrefixTree.from_sequences(seqs)
+    assert ideal_ratio(tree, dense) < ideal_ratio(tree, hybrid) < tree.compression_ratio
+    with pytest.raises(ValueError, match="recurrent_kind"):
+        ModelShape(64, 64, 2, 2, 2, 8, 10, recurrent_layers=1)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from hybrid_models import make_hybrid
 from trl_dta import DTAEngine
 from trl_dta.engine.schedule import Budgets
 from trl_dta.flops import ModelShape, get_model_shape
@@ -96,20 +97,23 @@ def test_peak_memory_docstring_example_and_errors():
         peak_memory([[1, 2]], SHAPE, "sdpa", "float8")
 
 
+@pytest.mark.parametrize("hybrid", [False, True], ids=["qwen2", "qwen3_5_text"])
 @pytest.mark.parametrize("budgets", [
     dict(max_pack_tokens=0),
     dict(max_pack_tokens=6, max_batch_tokens=12),
     dict(max_pack_tokens=0, max_graph_tokens=0, block_size=3),
     dict(max_pack_tokens=4, max_graph_tokens=9, block_size=4, max_batch_tokens=10),
 ])
-def test_replayed_walk_matches_the_engine(budgets):
+def test_replayed_walk_matches_the_engine(budgets, hybrid):
     """The estimate's replay of the walk sees the forwards with grad that the engine runs: the same peak of graph
     tokens, the same padded tokens (the engine's other forwards are the no-grad passes of the recomputed blocks), and
-    with every graph kept the same number of forwards."""
+    with every graph kept the same number of forwards. A hybrid (Gated DeltaNet layers beside attention) replays the
+    hybrid schedule: no packed rows, one-token internal segments unshared, no one-token block (a one-token forward
+    after a path is padded to two, which the estimate leaves out)."""
 
     config = Qwen2Config(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
-    model = Qwen2ForCausalLM(config)
+    model = make_hybrid("qwen3_5_text", torch.float32, vocab=40) if hybrid else Qwen2ForCausalLM(config)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, 40, (7,), generator=g).tolist()
     seqs = [prompt + [3 + k] + torch.randint(3, 40, (n,), generator=g).tolist() for k, n in enumerate([2, 5, 1, 9])]
@@ -117,8 +121,31 @@ def test_replayed_walk_matches_the_engine(budgets):
     out = DTAEngine(model, **budgets).forward_backward(seqs, lambda i, lp, ent: lp.sum())
     full = dict(block_size=1024, max_batch_tokens=8192, max_graph_tokens=None, max_pack_tokens=1024,
                 lm_head_chunk_size=1) | budgets
-    forwards = list(_grad_forwards(PrefixTree.from_sequences(seqs), Budgets(**full)))
-    assert max(graph + tokens for _, graph, _, tokens in forwards) == out.stats["peak_graph_tokens"]
-    assert sum(tokens for *_, tokens in forwards) + out.stats["recomputed_tokens"] == out.stats["padded_tokens"]
+    tree = PrefixTree.from_sequences(seqs)
+    if hybrid:
+        full["max_pack_tokens"] = 0
+        tree = tree.unshared()
+    forwards = list(_grad_forwards(tree, Budgets(**full), min_block=2 if hybrid else 1))
+    assert max(graph + tokens for _, graph, _, tokens, _ in forwards) == out.stats["peak_graph_tokens"]
+    if not hybrid:
+        assert sum(tokens for _, _, _, tokens, _ in forwards) + out.stats["recomputed_tokens"] == \
+            out.stats["padded_tokens"]
     if full["max_graph_tokens"] is None:
         assert len(forwards) == out.stats["forwards"]
+
+
+def test_hybrid_holds_keys_of_attention_layers_and_states_per_frame():
+    """Qwen3.5-9B-shaped (`flops.MODEL_SHAPES["qwen3.5-9b"]`: 8 attention, 24 Gated DeltaNet layers): keys/values of
+    the 8 attention layers per token, and per frame of the path each recurrent layer's float32 state and conv tail."""
+    from trl_dta.flops import MODEL_SHAPES
+    from trl_dta.memory import state_bytes_per_frame
+
+    shape = MODEL_SHAPES["qwen3.5-9b"]
+    assert kv_bytes_per_token(shape, "bf16") == 2 * 8 * 4 * 256 * 2
+    conv = 2 * 16 * 128 + 32 * 128  # q, k, v channels
+    assert state_bytes_per_frame(shape, "bf16") == 24 * (4 * 32 * 128 * 128 + 2 * conv * 3)
+    assert state_bytes_per_frame(SHAPE) == 0
+    seqs = [[0] * 4096 + [1 + leaf] * 512 for leaf in range(16)]
+    m = peak_memory(seqs, shape, "torch")
+    assert m.path_tokens == 4096 and m.path_kv == 2 * 4096 * kv_bytes_per_token(shape, "fp32") + \
+        2 * state_bytes_per_frame(shape, "fp32")  # one frame: the prompt

@@ -8,13 +8,13 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from conftest import FAMILIES, VOCAB, make_model, shared_batch, use_input_dtype_norms
+from conftest import FAMILIES, VOCAB, float64_twin, make_model, shared_batch, use_input_dtype_norms
 from moe_models import MOE_FAMILIES, MOE_WITHOUT_AUX
-from reference import compare_grads, compare_lists, dense_forward_backward, grads_of
+from reference import grads_of
+from test_engine import TOL, check
 from trl_dta import DTAEngine
 from trl_dta.models import DENSE_ALTERNATIVE, TESTED_MODEL_TYPES, check_model_support
 
-TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
              pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
 
@@ -63,6 +63,15 @@ REFUSED = {
                       "s_aux"),
     "mamba": (lambda: transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2),
               "linear_attention"),
+    # Hybrids outside `recurrent.RECURRENT_FAMILIES`: Jamba's Mamba (v1) layers, MiniMax's lightning attention (a
+    # cache seam of its own, `get_linear_cache`).
+    "jamba": (lambda: transformers.JambaConfig(**SMALL, intermediate_size=48, num_key_value_heads=2, attn_layer_period=2,
+                                               attn_layer_offset=1, num_experts=1, mamba_d_state=8, mamba_dt_rank=4),
+              "linear_attention"),
+    "minimax": (lambda: transformers.MiniMaxConfig(**SMALL, intermediate_size=48, num_key_value_heads=2, head_dim=8,
+                                                   num_local_experts=2, num_experts_per_tok=1,
+                                                   layer_types=["linear_attention", "full_attention"]),
+                "linear_attention"),
     "mixtral-jitter": (lambda: MOE_FAMILIES["mixtral"](VOCAB, router_jitter_noise=0.1), "router_jitter_noise=0.1"),
 }
 
@@ -93,18 +102,13 @@ def loss_fn(i, lp, ent):
     return torch.exp(lp.mean()) * (1 + 0.1 * i) + 0.05 * torch.tanh(ent).sum()
 
 
-def assert_equals_oracle(model, tol):
-    seqs = shared_batch(8)
-    model.zero_grad(set_to_none=True)
-    _, want_lp, want_ent = dense_forward_backward(model, seqs, loss_fn)
-    want = grads_of(model)
-    model.zero_grad(set_to_none=True)
-    out = DTAEngine(model).forward_backward(seqs, loss_fn, entropy=True)
-    errors = {"logps": compare_lists(out.logps, want_lp), "entropies": compare_lists(out.entropies, want_ent),
-              "grads": compare_grads(grads_of(model), want)}
-    for what, (err, where) in errors.items():
-        assert err <= tol, f"{what} differ by {err:.3g} (at {where})"
-    assert len(want) == len(list(model.parameters()))
+def assert_equals_oracle(model, tol=TOL[torch.float64]):
+    """`test_engine.check` on a shared batch: float64 within `tol`; float32 as precise as the dense float32 path,
+    both against a float64 twin (OLMo's layer norms and RMSNorm in float64; Cohere's RoPE and the MoE routers keep
+    their float32 steps there, an order below the float32 computations' errors)."""
+    check(model, shared_batch(8), tol, loss_fn=loss_fn,
+          twin=lambda m: use_input_dtype_norms(_input_dtype_layer_norms(float64_twin(m))))
+    assert len(grads_of(model)) == len(list(model.parameters()))
 
 
 ORACLE_CASES = [pytest.param(f, torch.float32, id=f"{f}-float32") for f in SUPPORTED] + [
@@ -118,7 +122,7 @@ def test_supported_family_equals_oracle(family, dtype):
         use_input_dtype_norms(_input_dtype_layer_norms(model))
     assert model.config.model_type in TESTED_MODEL_TYPES
     check_model_support(model)
-    assert_equals_oracle(model, TOL[dtype])
+    assert_equals_oracle(model)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -198,17 +202,23 @@ def test_peft_model_passes():
     check_model_support(model.get_base_model())
 
 
-def test_hybrid_refusal_names_only_the_layers_dta_cannot_run():
-    """A state-space + attention + MoE + MLP hybrid (Nemotron-H) is refused for its state-space layers alone: the
-    message names them and not the position-wise MLP/MoE layers, which DTA runs."""
+def test_hybrid_with_moe_and_mlp_layers_runs():
+    """A state-space + attention + MoE + MLP hybrid (Nemotron-H) passes: its Mamba2 layers walk the tree with their
+    states (`tests/recurrent/`), the position-wise MLP/MoE layers run as they are."""
     config = transformers.NemotronHConfig(
         vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
         layers_block_type=["mamba", "moe", "attention", "mlp"], mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8,
         n_groups=1, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
         moe_shared_expert_intermediate_size=16, intermediate_size=32, use_mamba_kernels=False)
     assert {"moe", "mlp"} <= set(config.layer_types)
+    check_model_support(build(config, attn=None))
+
+
+def test_hybrid_refusal_names_only_the_layers_dta_cannot_run():
+    """A hybrid outside the recurrent families (Jamba) is refused for its state-space layers alone: the message names
+    them and the families that run, not the attention layers."""
     with pytest.raises(NotImplementedError) as err:
-        check_model_support(build(config, attn=None))
+        check_model_support(build(REFUSED["jamba"][0]()))
     message = str(err.value)
     assert "['linear_attention'] layers" in message and "state-space" in message, message
-    assert "'moe'" not in message and "'mlp'" not in message, message
+    assert "'full_attention'] layers" not in message and "nemotron_h" in message, message

@@ -203,3 +203,40 @@ def test_subtree_reduce():
     assert tree.subtree_segments() == [4, 3, 1, 1, 1]
     depth_min = tree.subtree_reduce([s.start for s in tree.segments], min)
     assert all(depth_min[s.index] == s.start for s in tree.segments)  # children are deeper than their parents
+
+
+@settings(max_examples=150, deadline=None)
+@given(seq_lists, st.integers(2, 3))
+def test_unshared_keeps_every_sequence_and_no_short_internal_segment(seqs, min_length):
+    """`PrefixTree.unshared` (the hybrid models' tree): each sequence is still its path's concatenation and ends at its
+    end segment, pre-order numbering and offsets hold, no non-root segment with children is shorter than
+    `min_length`, and every copy is counted."""
+    tree = PrefixTree.from_sequences(seqs)
+    out = tree.unshared(min_length)
+    for i, s in enumerate(seqs):
+        path = out.path(i)
+        assert (torch.cat([out.tokens(p) for p in path]).tolist() if path else []) == s
+        if s:
+            assert i in out.segments[out.end_segment[i]].ends
+    assert sorted(out.empty) == sorted(tree.empty) and out.lengths == tree.lengths
+    offset = 0
+    for k, seg in enumerate(out.segments):
+        assert seg.index == k and seg.offset == offset and seg.length >= 1
+        offset += seg.length
+        assert all(c > k and out.segments[c].parent == k and out.segments[c].start == seg.end for c in seg.children)
+        assert seg.parent < 0 or not seg.children or seg.length >= min_length
+    assert out.n_tree_tokens == offset >= tree.n_tree_tokens
+    assert sorted(out.roots) == [s.index for s in out.segments if s.parent < 0]
+    size = out.subtree_segments()
+    for seg in out.segments:  # every subtree a contiguous pre-order range
+        assert all(seg.index < c and c + size[c] <= seg.index + size[seg.index] for c in seg.children)
+    if all(s.parent < 0 or not s.children or s.length >= min_length for s in tree.segments):
+        assert out is tree
+
+
+def test_unshared_docstring_example():
+    seqs = [[1, 2, 3, 4, 5], [1, 2, 3, 6, 7], [1, 2, 3], [1, 2, 8]]
+    out = PrefixTree.from_sequences(seqs).unshared()
+    assert [out.tokens(s.index).tolist() for s in out.segments] == [[1, 2], [3], [3, 4, 5], [3, 6, 7], [8]]
+    assert out.segments[1].ends == [2] and not out.segments[1].children
+    assert out.n_tree_tokens == PrefixTree.from_sequences(seqs).n_tree_tokens + 2

@@ -10,7 +10,15 @@ trl-dta analyze chats.jsonl --text-field text --tokenizer Qwen/Qwen3-1.7B
 trl-dta analyze ./saved_dataset --split train --batch-size 512 --num-processes 8 --model-shape qwen3-1.7b
 trl-dta analyze conversations.jsonl --tokenizer Qwen/Qwen3-1.7B                  # rows with `messages`
 trl-dta analyze episodes.jsonl --layout per_turn                                # rows with `turns` + `roles`
+trl-dta analyze tau2_results.json --tokenizer ./chat-tokenizer                  # a `tau2 run` results file
 ```
+
+Input formats: JSONL (one JSON object per line), a dataset folder (`save_to_disk`) or name, and a tau2-bench results
+file (`*.json`, the object `tau2 run` writes: tau2's `Results`, validated by tau2 itself; needs `trl-dta[tau2]`; one
+conversation per simulation, tau2's system prompt and the domain's tool schemas added, the trials of a task grouped,
+tau2's fixed first agent message kept as context but not a policy turn). `--tokenizer` takes a folder (e.g. one
+written by `trl_dta.envs.chat.build_chat_tokenizer().save_pretrained(...)`, the offline byte-level tokenizer with
+TRL's Qwen2.5 chat template) or a hub name (cached, or online).
 
 Rows are read in order and cut into global batches of `--batch-size` sequences (what one optimizer step sees; default:
 all rows form one batch). For each batch the prefix tree is built; the table reports totals over batches and the
@@ -366,14 +374,15 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("analyze", help="prefix sharing and predicted DTA speed-up of a set of rollouts",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("source", help="JSONL file, dataset folder (save_to_disk) or dataset name")
+    p.add_argument("source", help="JSONL file, dataset folder (save_to_disk), dataset name, or a tau2-bench results "
+                   "file (*.json from `tau2 run`)")
     p.add_argument("--field", default=None, help="token-id field (default: input_ids, else prompt_ids+completion_ids)")
     p.add_argument("--prompt-field", default=None, help="token-id field of the prompt (with --completion-field)")
     p.add_argument("--completion-field", default=None, help="token-id field of the completion")
     p.add_argument("--text-field", default=None, help="text field (with --tokenizer; default: text, else "
                    "prompt+completion)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer name or path for text input, and whose chat template "
-                   "renders 'messages'")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder or hub name for text input, and whose chat "
+                   "template renders 'messages' (offline: a folder, e.g. build_chat_tokenizer().save_pretrained(DIR))")
     p.add_argument("--layout", default=None, choices=[*LAYOUTS, "both"],
                    help="training layout(s) of conversations (default: both)")
     p.add_argument("--split", default=None, help="dataset split")
@@ -405,8 +414,12 @@ def _load(args) -> tuple[list, list | None, dict]:
     sequence_flags = (args.field, args.prompt_field, args.completion_field, args.text_field)
     if all(flag is None for flag in sequence_flags) and is_conversation_source(args.source, args.split):
         group_field = args.group_field
-        if group_field is None and not args.no_groups and is_tau2_source(args.source):
-            group_field = "task_id"  # the trials of a tau2 task
+        if is_tau2_source(args.source):
+            from .envs.tau2.results import describe
+
+            print(describe(args.source), file=sys.stderr)
+            if group_field is None and not args.no_groups:
+                group_field = "task_id"  # the trials of a tau2 task
         conversations, groups = load_conversations(args.source, args.tokenizer, args.split, group_field)
         layouts = LAYOUTS if args.layout in (None, "both") else (args.layout,)
         rows = {layout: None if layout == "episode" else [layout_rows(ids, mask, layout) for ids, mask in conversations]

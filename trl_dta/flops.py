@@ -17,6 +17,23 @@ attention  2 * 2 * n_heads * head_dim * (d + 1)         QK^T and AV for a token 
 plus `2 * hidden * vocab` per position projected by the LM head. The backward pass costs twice the forward
 (gradients with respect to inputs and to weights), so a training step costs `3 x` the forward count.
 
+Hybrid models (`ModelShape.recurrent_layers > 0`: Gated DeltaNet or Mamba2 layers beside `attention_layers` attention
+layers, `mlp_layers` MLPs) add per recurrent layer and token a cost that does **not** grow with the depth (the state
+has a fixed size), so only the attention layers' term below grows with the path:
+
+```
+gated_deltanet  2 * hidden * (2 Hk dk + 2 Hv dv + 2 Hv) + 2 * Hv dv * hidden     q, k, v, z, a, b and out projections
+              + 2 * k * (2 Hk dk + Hv dv)                                       the short convolution
+              + 2 * Hv * (3 dk dv + C (dk + dv))                                state read, delta, rank-1 update;
+                                                                                 intra-chunk part (chunks of C)
+mamba2          2 * hidden * (2 H P + 2 G N + H) + 2 * H P * hidden             in and out projections
+              + 2 * k * (H P + 2 G N)                                           the short convolution
+              + 2 * H * (2 P N + C (N + P) / 2)                                 state update and read; intra-chunk
+```
+
+(`Hk`/`Hv` key/value heads of `dk`/`dv`; Mamba2's `H` heads of `P` channels, `G` groups, state `N`; kernel `k`.) These
+are the chunked algorithms' matmuls, approximate (elementwise decays and gates left out, like norms above).
+
 Dense execution computes each sequence on its own; tree execution computes each distinct prefix once: a tree token
 at depth `d` does the linear work once and attends its `d + 1` ancestors-or-self, exactly like the same token in any
 sequence that contains it. The ideal speed-up `dense / tree` is therefore the compression ratio for token-linear work
@@ -62,6 +79,15 @@ class ModelShape:
         head_dim (`int`): width of one attention head.
         vocab_size (`int`): rows of the LM head.
         name (`str`, *optional*, defaults to `"custom"`): a label for tables.
+        attention_layers (`int`, *optional*): layers with softmax attention; None: all `num_layers`.
+        mlp_layers (`int`, *optional*): layers with an MLP; None: all `num_layers`.
+        recurrent_layers (`int`, *optional*, defaults to `0`): layers with a recurrent token mixer (hybrids).
+        recurrent_kind (`str`, *optional*): `"gated_deltanet"` or `"mamba2"` (with `recurrent_layers > 0`).
+        recurrent_heads (`int`), recurrent_groups (`int`), recurrent_key_dim (`int`), recurrent_value_dim (`int`):
+            Gated DeltaNet: value heads `Hv`, key heads `Hk`, `dk`, `dv`; Mamba2: heads `H`, groups `G`, state `N`,
+            head channels `P`.
+        conv_kernel (`int`, *optional*, defaults to `4`), chunk_size (`int`, *optional*, defaults to `64`): the
+            recurrent layers' short convolution and scan chunk.
     """
 
     hidden_size: int = field(metadata={"help": "Width of the residual stream."})
@@ -72,6 +98,16 @@ class ModelShape:
     head_dim: int = field(metadata={"help": "Width of one attention head."})
     vocab_size: int = field(metadata={"help": "Rows of the LM head."})
     name: str = field(default="custom", metadata={"help": "A label for tables."})
+    attention_layers: int | None = field(default=None, metadata={"help": "Layers with softmax attention (all)."})
+    mlp_layers: int | None = field(default=None, metadata={"help": "Layers with an MLP (all)."})
+    recurrent_layers: int = field(default=0, metadata={"help": "Layers with a recurrent token mixer."})
+    recurrent_kind: str = field(default="", metadata={"help": "'gated_deltanet' or 'mamba2'."})
+    recurrent_heads: int = field(default=0, metadata={"help": "Gated DeltaNet value heads / Mamba2 heads."})
+    recurrent_groups: int = field(default=0, metadata={"help": "Gated DeltaNet key heads / Mamba2 groups."})
+    recurrent_key_dim: int = field(default=0, metadata={"help": "Gated DeltaNet d_k / Mamba2 state size."})
+    recurrent_value_dim: int = field(default=0, metadata={"help": "Gated DeltaNet d_v / Mamba2 head channels."})
+    conv_kernel: int = field(default=4, metadata={"help": "The recurrent layers' short convolution."})
+    chunk_size: int = field(default=64, metadata={"help": "The recurrent layers' scan chunk."})
 
     def __post_init__(self):
         for key in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -83,6 +119,26 @@ class ModelShape:
             raise ValueError(
                 f"ModelShape.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.recurrent_layers:
+            if self.recurrent_kind not in RECURRENT_KINDS:
+                raise ValueError(f"ModelShape.recurrent_kind must be one of {sorted(RECURRENT_KINDS)} with "
+                                 f"recurrent_layers > 0, got {self.recurrent_kind!r}")
+            for key in ("recurrent_heads", "recurrent_groups", "recurrent_key_dim", "recurrent_value_dim"):
+                value = getattr(self, key)
+                if not isinstance(value, int) or value <= 0:
+                    raise ValueError(f"ModelShape.{key} must be a positive int with recurrent_layers > 0, got {value!r}")
+        for key in ("attention_layers", "mlp_layers"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= self.num_layers):
+                raise ValueError(f"ModelShape.{key} must be None or an int in [0, num_layers], got {value!r}")
+
+    @property
+    def n_attention_layers(self) -> int:
+        return self.num_layers if self.attention_layers is None else self.attention_layers
+
+    @property
+    def n_mlp_layers(self) -> int:
+        return self.num_layers if self.mlp_layers is None else self.mlp_layers
 
     @classmethod
     def from_config(cls, config: Any, name: str | None = None) -> ModelShape:
@@ -111,6 +167,7 @@ class ModelShape:
             head_dim=head_dim,
             vocab_size=config.vocab_size,
             name=name or getattr(config, "name_or_path", None) or getattr(config, "model_type", "custom") or "custom",
+            **_hybrid_fields(config),
         )
 
     def to_dict(self) -> dict:
@@ -120,22 +177,76 @@ class ModelShape:
 
     @property
     def linear_flops_per_token(self) -> int:
-        """Forward matmul FLOPs of all layers' projections and MLPs for one token."""
+        """Forward matmul FLOPs of all layers' projections, MLPs and recurrences for one token (everything whose cost
+        per token does not grow with the depth)."""
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         h = self.hidden_size
-        per_layer = 2 * h * (q + 2 * kv) + 2 * q * h + 6 * h * self.intermediate_size
-        return self.num_layers * per_layer
+        attention = 2 * h * (q + 2 * kv) + 2 * q * h
+        mlp = 6 * h * self.intermediate_size
+        return (self.n_attention_layers * attention + self.n_mlp_layers * mlp
+                + self.recurrent_layers * self.recurrent_flops_per_token)
+
+    @property
+    def recurrent_flops_per_token(self) -> int:
+        """Forward matmul FLOPs of one recurrent layer for one token (module docstring; 0 without one)."""
+        if not self.recurrent_layers:
+            return 0
+        h, k, c = self.hidden_size, self.conv_kernel, self.chunk_size
+        heads, groups, dk, dv = (self.recurrent_heads, self.recurrent_groups, self.recurrent_key_dim,
+                                 self.recurrent_value_dim)
+        if self.recurrent_kind == "gated_deltanet":
+            conv = 2 * groups * dk + heads * dv
+            return (2 * h * (conv + heads * dv + 2 * heads) + 2 * heads * dv * h + 2 * k * conv
+                    + 2 * heads * (3 * dk * dv + c * (dk + dv)))
+        inner, conv = heads * dv, heads * dv + 2 * groups * dk  # Mamba2: dk = state N, dv = head channels P
+        return (2 * h * (inner + conv + heads) + 2 * inner * h + 2 * k * conv
+                + 2 * heads * (2 * dv * dk + c * (dk + dv) // 2))
 
     @property
     def attention_flops_per_key(self) -> int:
-        """Forward FLOPs of QK^T and AV, all layers, for one (query, key) pair."""
-        return self.num_layers * 4 * self.num_heads * self.head_dim
+        """Forward FLOPs of QK^T and AV, all attention layers, for one (query, key) pair."""
+        return self.n_attention_layers * 4 * self.num_heads * self.head_dim
 
     @property
     def lm_head_flops_per_position(self) -> int:
         """Forward FLOPs of the LM head for one projected position."""
         return 2 * self.hidden_size * self.vocab_size
+
+
+RECURRENT_KINDS = frozenset({"gated_deltanet", "mamba2"})
+
+# Recurrent-layer fields per family: (kind, config attribute of heads, groups, key dim, value dim, kernel, chunk);
+# an int is the value itself (the Gated DeltaNet scan's chunk is fixed in transformers).
+_RECURRENT_CONFIGS = {
+    "qwen3_5_text": ("gated_deltanet", "linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim",
+                     "linear_value_head_dim", "linear_conv_kernel_dim", 64),
+    "nemotron_h": ("mamba2", "mamba_num_heads", "n_groups", "ssm_state_size", "mamba_head_dim", "conv_kernel",
+                   "chunk_size"),
+    **dict.fromkeys(("granitemoehybrid", "bamba", "falcon_h1"), (
+        "mamba2", "mamba_n_heads", "mamba_n_groups", "mamba_d_state", "mamba_d_head", "mamba_d_conv",
+        "mamba_chunk_size")),
+}
+_RECURRENT_CONFIGS["qwen3_next"] = _RECURRENT_CONFIGS["qwen3_5_text"]
+
+
+def _hybrid_fields(config) -> dict:
+    """`ModelShape` fields of a hybrid's recurrent, attention and MLP layers from its `layer_types` (none for other
+    configs). Nemotron-H has MLPs only in its `mlp`/`moe` layers; the other hybrids in every layer."""
+    kinds = list(getattr(config, "layer_types", None) or ())
+    spec = _RECURRENT_CONFIGS.get(getattr(config, "model_type", ""))
+    if spec is None or not kinds:
+        return {}
+    kind, *names = spec
+    values = [getattr(config, n) if isinstance(n, str) else n for n in names]
+    heads, groups, dk, dv, kernel, chunk = values
+    fields = dict(recurrent_layers=sum(k in ("linear_attention", "hybrid") for k in kinds), recurrent_kind=kind,
+                  recurrent_heads=heads, recurrent_groups=groups, recurrent_key_dim=dk, recurrent_value_dim=dv,
+                  conv_kernel=kernel, chunk_size=chunk,
+                  attention_layers=sum(k in ("full_attention", "sliding_attention", "hybrid") for k in kinds))
+    if config.model_type == "nemotron_h":
+        fields["mlp_layers"] = sum(k in ("mlp", "moe") for k in kinds)
+    return fields
 
 
 MODEL_SHAPES: dict[str, ModelShape] = {
@@ -151,6 +262,20 @@ MODEL_SHAPES: dict[str, ModelShape] = {
     "bench-cpu": ModelShape(512, 1408, 8, 8, 2, 64, 8192, name="bench-cpu"),
     # The `--quick` benchmark model.
     "bench-cpu-quick": ModelShape(256, 704, 4, 4, 2, 64, 4096, name="bench-cpu-quick"),
+    # The hybrid benchmark's models (benchmarks/bench_hybrid.py), the width and depth of `bench-cpu-quick`: Qwen3.5's
+    # three Gated DeltaNet layers per full-attention layer, and Nemotron-H's Mamba2 / MLP / Mamba2 / attention blocks.
+    "bench-qwen3.5-quick": ModelShape(256, 704, 4, 4, 2, 64, 4096, name="bench-qwen3.5-quick", attention_layers=1,
+                                      recurrent_layers=3, recurrent_kind="gated_deltanet", recurrent_heads=4,
+                                      recurrent_groups=2, recurrent_key_dim=64, recurrent_value_dim=64),
+    "bench-nemotron-h-quick": ModelShape(256, 704, 4, 4, 2, 64, 4096, name="bench-nemotron-h-quick",
+                                         attention_layers=1, mlp_layers=1, recurrent_layers=2, recurrent_kind="mamba2",
+                                         recurrent_heads=8, recurrent_groups=2, recurrent_key_dim=64,
+                                         recurrent_value_dim=64, chunk_size=128),
+    # transformers' `Qwen3_5TextConfig()` defaults (its docstring: the Qwen3.5-9B style configuration): 32 layers,
+    # 3 Gated DeltaNet layers per full-attention layer.
+    "qwen3.5-9b": ModelShape(4096, 12288, 32, 16, 4, 256, 248320, name="qwen3.5-9b", attention_layers=8,
+                             recurrent_layers=24, recurrent_kind="gated_deltanet", recurrent_heads=32,
+                             recurrent_groups=16, recurrent_key_dim=128, recurrent_value_dim=128),
 }
 
 

@@ -30,14 +30,20 @@ class Frame:
     """Keys and values of one forwarded block.
 
     Args:
-        keys (`list[torch.Tensor]`): per layer, shape `(1, n_kv_heads, length, head_dim)`.
+        keys (`list[torch.Tensor]`): per layer, shape `(1, n_kv_heads, length, head_dim)` (None for a layer without
+            attention).
         values (`list[torch.Tensor]`): per layer, same shape as `keys`.
         length (`int`): tokens in the block.
+        states (`list[tuple | None]`, *optional*): hybrid models: per layer, the recurrent layer's
+            `(conv state (1, channels, k - 1), recurrent state (1, ...))` after the block, None for other layers
+            (`recurrent/carrier.py`). None for attention-only models, and for a block whose states were not kept (a
+            padded leaf, which has no children to hand them to).
     """
 
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    keys: list[torch.Tensor | None]
+    values: list[torch.Tensor | None]
     length: int
+    states: list[tuple | None] | None = None
 
 
 class KVStack:
@@ -59,6 +65,18 @@ class KVStack:
 
     def pop(self) -> Frame:
         return self.frames.pop()
+
+    def states(self, layer: int) -> tuple | None:
+        """The path's states of recurrent `layer` (those after its last frame), or None on an empty path."""
+        if not self.frames:
+            return None
+        states = self.frames[-1].states
+        if states is None:
+            raise RuntimeError(
+                "a forward continues a path whose last frame kept no recurrent states (a padded leaf's); this is a "
+                "bug in trl_dta."
+            )
+        return states[layer]
 
     def prefix(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Keys and values of the whole path for `layer`, each `(1, n_kv_heads, length, head_dim)`, or None if empty.

@@ -113,6 +113,14 @@ class HeadSpec:
         return cls(model.get_output_embeddings(), scale, getattr(config, "final_logit_softcapping", None))
 
 
+def _log_softmax_(z: torch.Tensor) -> torch.Tensor:
+    """`z - logsumexp(z)` over the last dimension, in place, as `torch.log_softmax` rounds it: `(z - max) - log sum
+    exp(z - max)`. (Forming `lse = max + log sum` first rounds it at the logits' magnitude, and `z - lse` carries that
+    rounding: in float32 about twice the log-probs' and entropies' error of `log_softmax`.)"""
+    z.sub_(z.amax(-1, keepdim=True))
+    return z.sub_(z.exp().sum(-1, keepdim=True).log_())
+
+
 def _chunk_stats(hidden, targets, spec: HeadSpec, inv_temperature: float, want_entropy: bool):
     logits = spec.module(hidden)
     if logits.dtype in (torch.float16, torch.bfloat16):
@@ -121,13 +129,11 @@ def _chunk_stats(hidden, targets, spec: HeadSpec, inv_temperature: float, want_e
         logits = logits * spec.logit_scale
     if spec.softcap is not None:
         logits = torch.tanh(logits / spec.softcap) * spec.softcap
-    logits = logits * inv_temperature
-    lse = torch.logsumexp(logits, dim=-1)
-    logps = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    logp = torch.log_softmax(logits * inv_temperature, dim=-1)
+    logps = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     if not want_entropy:
         return logps, None
-    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return logps, entropy
+    return logps, -(logp.exp() * logp).sum(-1)
 
 
 def _addmm_fp32(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -170,14 +176,13 @@ class _LinearLogProbs(torch.autograd.Function):
         lps, ents = [], []
         for start in range(0, hidden.shape[0], rows):
             z, _ = _tile_logits(hidden[start : start + rows].to(compute), w, b, spec, inv_t)
-            lse = torch.logsumexp(z, dim=-1)
-            lps.append(z.gather(-1, targets[start : start + rows, None]).squeeze(-1) - lse)
+            logp = _log_softmax_(z)  # (rows, vocab)
+            lps.append(logp.gather(-1, targets[start : start + rows, None]).squeeze(-1))
             if want_entropy:
-                z.sub_(lse[:, None])  # log p
-                ents.append(-(z.exp() * z).sum(-1))
+                ents.append(-(logp.exp() * logp).sum(-1))
         logps = torch.cat(lps)
         entropy = torch.cat(ents) if want_entropy else None
-        ctx.save_for_backward(hidden, weight, bias, targets, logps, entropy)
+        ctx.save_for_backward(hidden, weight, bias, targets, entropy)
         ctx.spec, ctx.inv_t, ctx.rows, ctx.compute = spec, inv_t, rows, compute
         ctx.set_materialize_grads(False)
         return logps, entropy
@@ -189,7 +194,7 @@ class _LinearLogProbs(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, g_lp, g_ent):
-        hidden, weight, bias, targets, logps, entropy = ctx.saved_tensors
+        hidden, weight, bias, targets, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if g_lp is None and g_ent is None:
             return None, None, None, None, None, None, None, None
@@ -200,8 +205,7 @@ class _LinearLogProbs(torch.autograd.Function):
             sl = slice(start, start + ctx.rows)
             h, t = hidden[sl].to(compute), targets[sl]
             z, dz_dy = _tile_logits(h, w, b, ctx.spec, ctx.inv_t)
-            lse = z.gather(-1, t[:, None]).squeeze(-1) - logps[sl]
-            logp = z.sub_(lse[:, None])
+            logp = _log_softmax_(z)  # the forward's log p, rounded the same way
             p = logp.exp()
             if g_ent is not None:  # dH/dz = -p * (log p + H)
                 dz = logp.add_(entropy[sl, None]).mul_(p).mul_(-g_ent[sl, None])

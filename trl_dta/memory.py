@@ -15,6 +15,11 @@ peak  =  path K/V (P)  +  kept graph (P)  +  B rows' activations  [+ B copies of
 The `"sdpa"` attention backend concatenates `[path.expand(B) ; own]` in every layer, and SDPA saves that for its
 backward: `B x P x` the per-token K/V (4.8 GB for a 2K-token prompt with 16 completions on Qwen3-8B). The two-part
 backends hold the path once. Parameters, gradients, optimizer state and allocator slack are not counted.
+
+Hybrid models (`ModelShape.recurrent_layers > 0`): keys/values only for the attention layers; the recurrent layers
+hold per frame of the path (a segment or block) their states after it, a size independent of its length
+([`state_bytes_per_frame`]), and the replay follows the hybrid schedule (no packed subtree rows, one-token internal
+segments unshared, `engine/core.py`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .engine.schedule import Budgets, graph_fits, schedule_children
+from .engine.schedule import Budgets, block_bounds, graph_fits, schedule_children
 from .flops import ModelShape, _as_tree, get_model_shape
 
 
@@ -33,6 +38,7 @@ __all__ = [
     "activation_bytes_per_token",
     "kv_bytes_per_token",
     "peak_memory",
+    "state_bytes_per_frame",
 ]
 
 DTYPE_BYTES = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2}
@@ -51,14 +57,14 @@ def _dtype_bytes(dtype: str) -> int:
 
 
 def kv_bytes_per_token(shape: str | ModelShape | Any, dtype: str = "bf16") -> int:
-    """Bytes of keys and values of one token, all layers: `2 * num_layers * num_kv_heads * head_dim * bytes`.
+    """Bytes of keys and values of one token, all attention layers: `2 * layers * num_kv_heads * head_dim * bytes`.
 
     Args:
         shape (`str`, [`~trl_dta.flops.ModelShape`] or a `transformers` config): the model.
         dtype (`str`, *optional*, defaults to `"bf16"`): one of `DTYPE_BYTES`.
     """
     shape = get_model_shape(shape)
-    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * _dtype_bytes(dtype)
+    return 2 * shape.n_attention_layers * shape.num_kv_heads * shape.head_dim * _dtype_bytes(dtype)
 
 
 def activation_bytes_per_token(shape: str | ModelShape | Any, dtype: str = "bf16") -> int:
@@ -70,7 +76,11 @@ def activation_bytes_per_token(shape: str | ModelShape | Any, dtype: str = "bf16
     gate, up, activation and product (`4 * intermediate`); in float32, each RMSNorm's upcast input (`2 * hidden`) and
     the attention's log-sum-exp (`n_heads`). Plus the final norm (`hidden`, and `hidden` in float32); the LM head keeps
     only its input (its logits are recomputed in the backward). Small transients (one logit tile, one layer's
-    gradients) are left out.
+    gradients) are left out. The attention terms count for `attention_layers`, the MLP's for `mlp_layers`; a
+    recurrent layer (hybrids) saves its projections' outputs, its convolution's output, its gated norm's input and
+    output and its output projection's input in the compute dtype, and in float32 the chunked scan's upcast inputs,
+    three chunk-local `(C, C)` matrices per head (`3 C` per token and head) and the state at every chunk boundary
+    (a `(d_k, d_v)` state per head every `C` tokens).
 
     Args:
         shape (`str`, [`~trl_dta.flops.ModelShape`] or a `transformers` config): the model.
@@ -80,8 +90,46 @@ def activation_bytes_per_token(shape: str | ModelShape | Any, dtype: str = "bf16
     h, i = shape.hidden_size, shape.intermediate_size
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     size = _dtype_bytes(dtype)
-    per_layer = size * (4 * h + q + 2 * kv + 2 * q + 4 * i) + 4 * (2 * h + shape.num_heads)
-    return shape.num_layers * per_layer + size * h + 4 * h
+    norms = size * 4 * h + 4 * 2 * h
+    attention = size * (q + 2 * kv + 2 * q) + 4 * shape.num_heads
+    mlp = size * 4 * i
+    return (shape.num_layers * norms + shape.n_attention_layers * attention + shape.n_mlp_layers * mlp
+            + shape.recurrent_layers * _recurrent_activation_bytes(shape, size) + size * h + 4 * h)
+
+
+def _recurrent_activation_bytes(shape: ModelShape, size: int) -> int:
+    """Bytes one recurrent layer saves per token (see [`activation_bytes_per_token`])."""
+    if not shape.recurrent_layers:
+        return 0
+    heads, groups, dk, dv, c = (shape.recurrent_heads, shape.recurrent_groups, shape.recurrent_key_dim,
+                                shape.recurrent_value_dim, shape.chunk_size)
+    if shape.recurrent_kind == "gated_deltanet":
+        conv, inner, extra = 2 * groups * dk + heads * dv, heads * dv, 2 * heads
+        upcast = 2 * heads * dk + heads * dv + 2 * heads  # q, k repeated to the value heads; v; beta; decay
+    else:  # Mamba2: dk = state N, dv = head channels P
+        inner = heads * dv
+        conv, extra = inner + 2 * groups * dk, heads
+        upcast = inner + 2 * heads * dk + heads  # x; B, C repeated to the heads; dt
+    own = size * ((conv + inner + extra) + conv + 2 * inner + inner)
+    return own + 4 * (upcast + 3 * heads * c + heads * dk * dv // c)
+
+
+def state_bytes_per_frame(shape: str | ModelShape | Any, dtype: str = "bf16") -> int:
+    """Bytes of the recurrent layers' states after one frame of the path, all recurrent layers (0 for attention-only
+    models): each layer's recurrent state `(heads, d_k, d_v)` in float32 and its conv state `(channels, k - 1)` in
+    `dtype`.
+
+    Args:
+        shape (`str`, [`~trl_dta.flops.ModelShape`] or a `transformers` config): the model.
+        dtype (`str`, *optional*, defaults to `"bf16"`): the compute dtype, one of `DTYPE_BYTES`.
+    """
+    shape = get_model_shape(shape)
+    if not shape.recurrent_layers:
+        return 0
+    heads, groups, dk, dv = shape.recurrent_heads, shape.recurrent_groups, shape.recurrent_key_dim, \
+        shape.recurrent_value_dim
+    conv = (2 * groups * dk + heads * dv) if shape.recurrent_kind == "gated_deltanet" else heads * dv + 2 * groups * dk
+    return shape.recurrent_layers * (4 * heads * dk * dv + _dtype_bytes(dtype) * conv * (shape.conv_kernel - 1))
 
 
 @dataclass
@@ -97,7 +145,8 @@ class MemoryEstimate:
         rows (`int`): rows of the peak forward (a batch of siblings, or one segment or block).
         row_tokens (`int`): padded tokens of the peak forward (`rows x` its longest row).
         path_kv (`int`): the stack's keys/values of the path and their gradient buffers (gradient sinks, float32
-            for half precision), held once whatever the backend.
+            for half precision), held once whatever the backend; for a hybrid model also the recurrent states of the
+            path's frames and their gradient buffers (`2 x frames x state_bytes_per_frame`).
         path_graph (`int`): activations of the path's kept segments.
         batch_activations (`int`): activations of the peak forward.
         prefix_copies (`int`): the copies of the path's keys/values that the forward saves for its backward: one per
@@ -138,6 +187,7 @@ def peak_memory(
 
     ```
     path_kv            2 x path_tokens x kv_bytes_per_token(sink dtype)     keys/values on the stack + their gradients
+                     + 2 x frames x state_bytes_per_frame(sink dtype)       hybrids: the path's recurrent states
     path_graph         graph_tokens x activation_bytes_per_token            kept segments of the path
     batch_activations  row_tokens x activation_bytes_per_token              the forward itself
     prefix_copies      rows x path_tokens x kv_bytes_per_token(dtype)       "sdpa" only: [path.expand(rows) ; own]
@@ -180,52 +230,59 @@ def peak_memory(
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {sorted(ATTN_BACKENDS)}")
     shape = get_model_shape(shape)
     size = _dtype_bytes(dtype)
+    hybrid = shape.recurrent_layers > 0
     budgets = Budgets(block_size=block_size, max_batch_tokens=max_batch_tokens, max_graph_tokens=max_graph_tokens,
-                      max_pack_tokens=max_pack_tokens, lm_head_chunk_size=1)
+                      max_pack_tokens=0 if hybrid else max_pack_tokens, lm_head_chunk_size=1)
     kv = kv_bytes_per_token(shape, dtype)
     sink = kv_bytes_per_token(shape, "fp32") if size < 4 else kv
+    states = state_bytes_per_frame(shape, "fp32" if size < 4 else dtype)
     act = activation_bytes_per_token(shape, dtype)
     copies = ATTN_BACKENDS[backend]
 
-    def estimate(path: int, graph: int, rows: int, row_tokens: int) -> MemoryEstimate:
+    def estimate(path: int, graph: int, rows: int, row_tokens: int, frames: int) -> MemoryEstimate:
         return MemoryEstimate(backend=backend, dtype=dtype, path_tokens=path, graph_tokens=graph, rows=rows,
-                              row_tokens=row_tokens, path_kv=2 * path * sink, path_graph=graph * act,
-                              batch_activations=row_tokens * act,
+                              row_tokens=row_tokens, path_kv=2 * path * sink + 2 * frames * states,
+                              path_graph=graph * act, batch_activations=row_tokens * act,
                               prefix_copies=rows * path * kv if copies and path else 0)
 
-    best = estimate(0, 0, 0, 0)
-    for forward in _grad_forwards(_as_tree(tree_or_seqs), budgets):
+    best = estimate(0, 0, 0, 0, 0)
+    tree = _as_tree(tree_or_seqs)
+    if hybrid:
+        tree = tree.unshared(min_length=2)
+    for forward in _grad_forwards(tree, budgets, min_block=2 if hybrid else 1):
         candidate = estimate(*forward)
         if candidate.total > best.total:
             best = candidate
     return best
 
 
-def _grad_forwards(tree, budgets):
-    """Yield `(path_tokens, graph_tokens, rows, row_tokens)` for every forward with grad of the engine's training walk
-    (the same decisions as `engine/walk.py`: rows batches, kept segments, blocks re-forwarded at pop)."""
+def _grad_forwards(tree, budgets, min_block: int = 1):
+    """Yield `(path_tokens, graph_tokens, rows, row_tokens, frames)` for every forward with grad of the engine's
+    training walk (the same decisions as `engine/walk.py`: rows batches, kept segments, blocks re-forwarded at pop;
+    `frames`: the stack's frames under the forward)."""
     subtree_tokens = tree.subtree_tokens()
     has_children = [bool(seg.children) for seg in tree.segments]
-    block = budgets.block_size
 
-    def blocks(path: int, graph: int, length: int):
-        for lo in range(0, length, block):  # re-forwarded with grad at pop, each after the earlier blocks' keys
-            yield path + lo, graph, 1, min(block, length - lo)
+    def blocks(path: int, graph: int, length: int, frames: int):
+        # re-forwarded with grad at pop, each after the earlier blocks' keys
+        for k, (lo, hi) in enumerate(block_bounds(length, budgets.block_size, min_block)):
+            yield path + lo, graph, 1, hi - lo, frames + k
 
-    def children(kids: list[int], path: int, graph: int):
+    def children(kids: list[int], path: int, graph: int, frames: int):
         plan = schedule_children(kids, has_children, subtree_tokens, budgets, train=True, live=graph)
         for kind, batch in plan.steps:
             if kind == "rows":  # sorted by size: the last row is the longest
-                yield path, graph, len(batch), len(batch) * subtree_tokens[batch[-1]]
+                yield path, graph, len(batch), len(batch) * subtree_tokens[batch[-1]], frames
             else:
-                yield from blocks(path, graph, tree.segments[batch[0]].length)
+                yield from blocks(path, graph, tree.segments[batch[0]].length, frames)
         for c in plan.walk:
             length = tree.segments[c].length
             if graph_fits(budgets, True, graph, length):
-                yield path, graph, 1, length
-                yield from children(tree.segments[c].children, path + length, graph + length)
+                yield path, graph, 1, length, frames
+                yield from children(tree.segments[c].children, path + length, graph + length, frames + 1)
             else:
-                yield from children(tree.segments[c].children, path + length, graph)
-                yield from blocks(path, graph, length)
+                n = len(block_bounds(length, budgets.block_size, min_block))
+                yield from children(tree.segments[c].children, path + length, graph, frames + n)
+                yield from blocks(path, graph, length, frames)
 
-    yield from children(tree.roots, 0, 0)
+    yield from children(tree.roots, 0, 0, 0)

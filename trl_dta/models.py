@@ -5,7 +5,8 @@ through the forward's keyword arguments (`dta_ctx=...`, see `attention.py`). A d
 exactly when
 
 1. every layer mixes tokens only in a call of transformers' `AttentionInterface` (no recurrent, convolution or linear
-   attention state, no attention code of its own),
+   attention state, no attention code of its own), or, in the hybrid families of `recurrent.RECURRENT_FAMILIES`, in
+   recurrent layers that take their states from the forward's cache (`recurrent/carrier.py`),
 2. its decoder layers hand the forward's keyword arguments on to that call,
 3. that attention is causal softmax attention over post-RoPE keys/values, optionally windowed or soft-capped (no
    ALiBi biases, no chunked or sparse attention, no attention sinks, no bidirectional attention), and
@@ -15,8 +16,8 @@ exactly when
 model type, the reason and the dense alternative:
 
 - **Rules**, dispatch tables of what is known not to hold: families by model type (ALiBi models) and configurations
-  by their layer types (state-space, linear-attention and chunked-attention layers), MoE routers with random noise or
-  capacity limits.
+  by their layer types (state-space and linear-attention layers outside the hybrid families, chunked-attention
+  layers), MoE routers with random noise or capacity limits.
 - **Probe**: the real model on four tokens, once densely and once through DTA as a one-token prefix plus a
   three-token continuation, compared on the log-probs and entropies of the three next tokens. A failure inside
   transformers, a layer that never reaches the DTA attention (1, 2) or a different result (3, 4) becomes the error.
@@ -43,12 +44,14 @@ from . import _checks, attention
 from .kv_stack import Frame, KVStack
 from .lm_head import HeadSpec, head_logprobs, unknown_logit_scaling
 from .precision import Precision
+from .recurrent import RECURRENT_FAMILIES, RECURRENT_LAYER_TYPES, LayerLayout, StateCarrier
 
 # Model families whose equivalence with the dense per-sequence computation the test suite covers (tests/test_models.py
 # and tests/test_engine.py). Other families that pass the probe run with a one-time warning.
 TESTED_MODEL_TYPES = frozenset({
     "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "gemma3", "phi3", "granite", "olmo", "gpt_neox",
     "gpt2", "cohere", "minicpm3", "qwen3_moe", "mixtral", "glm4_moe",
+    *RECURRENT_FAMILIES,  # the hybrids (tests/recurrent/)
 })
 
 DENSE_ALTERNATIVE = (
@@ -75,11 +78,14 @@ _POSITION_WISE_LAYER_TYPES = frozenset({"mlp", "moe"})
 
 def _layer_types(config) -> str | None:
     kinds = set(getattr(config, "layer_types", None) or ())
+    if config.model_type in RECURRENT_FAMILIES:  # hybrids whose recurrent layers walk the tree with their states
+        kinds -= RECURRENT_LAYER_TYPES
     other = sorted(kinds - _ATTENTION_LAYER_TYPES - _POSITION_WISE_LAYER_TYPES)
     if other:
         return (f"it has {other} layers (a token mixer with a state of its own: state-space, linear or otherwise "
                 f"non-softmax attention); DTA runs softmax attention layers ({sorted(_ATTENTION_LAYER_TYPES)}), whose "
-                "whole state is the path's keys/values, and position-wise MLP/MoE layers")
+                "whole state is the path's keys/values, position-wise MLP/MoE layers, and the recurrent layers of the "
+                f"hybrid families {sorted(RECURRENT_FAMILIES)}")
     return None
 
 
@@ -198,12 +204,15 @@ def _tolerance(dtype: torch.dtype, device: torch.device) -> float:
     return 5e-2
 
 
-def _probe_forward(backbone, ids: torch.Tensor, positions: torch.Tensor, stack: KVStack, n_layers: int):
-    """One DTA forward of `ids` `(1, length)` after the tokens on `stack`: final hidden states `(1, length, hidden)`
-    and the new keys/values per layer, each `(1, n_kv_heads, length, head_dim)`."""
+def _probe_forward(backbone, ids: torch.Tensor, positions: torch.Tensor, stack: KVStack, layout: LayerLayout):
+    """One DTA forward of `ids` `(1, length)` after the tokens on `stack`: final hidden states `(1, length, hidden)`,
+    the new keys/values per layer, each `(1, n_kv_heads, length, head_dim)` (None for layers without attention), and
+    a hybrid model's new recurrent states per layer (`recurrent/carrier.py`; None for attention-only models)."""
     ctx = attention.AttentionContext(stack)
+    carrier = StateCarrier(layout, stack.states, 1, ids.shape[1], stack.length) if layout.hybrid else None
     try:
-        hidden = backbone(input_ids=ids, position_ids=positions, use_cache=False, dta_ctx=ctx).last_hidden_state
+        hidden = backbone(input_ids=ids, position_ids=positions, use_cache=False, dta_ctx=ctx,
+                          **({"cache": carrier} if carrier is not None else {})).last_hidden_state
     except _ProbeFailure:
         raise
     except Exception as exc:
@@ -218,16 +227,24 @@ def _probe_forward(backbone, ids: torch.Tensor, positions: torch.Tensor, stack: 
             "its layers never call transformers' AttentionInterface: it computes attention (or another token mixer) "
             "in its own code, which DTA cannot give the path's keys/values"
         )
-    if ctx.calls != n_layers or sorted(ctx.record) != list(range(n_layers)):
+    attention_layers = list(layout.attention)
+    if ctx.calls != len(attention_layers) or sorted(ctx.record) != attention_layers:
         raise _ProbeFailure(
-            f"its {n_layers} layers make {ctx.calls} calls of transformers' AttentionInterface, under the layer "
-            f"indices {sorted(ctx.record)}; DTA needs exactly one call per layer (layers without attention, or with "
-            "looped or several attentions, keep state DTA does not carry along the path)"
+            f"its {len(attention_layers)} attention layers make {ctx.calls} calls of transformers' "
+            f"AttentionInterface, under the layer indices {sorted(ctx.record)}; DTA needs exactly one call per "
+            "attention layer (layers without attention, or with looped or several attentions, keep state DTA does not "
+            "carry along the path)"
         )
-    return hidden, [ctx.record[layer] for layer in range(n_layers)]
+    states = None
+    if carrier is not None:
+        try:
+            states = carrier.states()
+        except NotImplementedError as exc:
+            raise _ProbeFailure(str(exc).rsplit(", so this model family", 1)[0]) from None
+    return hidden, [ctx.record.get(layer) for layer in range(layout.n_layers)], states
 
 
-def _probe(lm, head: HeadSpec, n_layers: int, precision: Precision) -> None:
+def _probe(lm, head: HeadSpec, layout: LayerLayout, precision: Precision) -> None:
     """Compare the model's dense log-probs of four tokens with DTA's (one-token prefix, three-token continuation), both
     under `precision`'s autocast."""
     config = lm.config.get_text_config()
@@ -240,10 +257,11 @@ def _probe(lm, head: HeadSpec, n_layers: int, precision: Precision) -> None:
         logits = lm(input_ids=ids, position_ids=positions, use_cache=False).logits[0, :-1]  # (3, vocab)
         with _attention_implementation(lm, _register_probe()):
             backbone = lm.get_decoder()
-            stack = KVStack(n_layers)
-            first, kv = _probe_forward(backbone, ids[:, :1], positions[:, :1], stack, n_layers)
-            stack.push(Frame([k for k, _ in kv], [v for _, v in kv], 1))
-            rest, _ = _probe_forward(backbone, ids[:, 1:], positions[:, 1:], stack, n_layers)
+            stack = KVStack(layout.n_layers)
+            first, kv, states = _probe_forward(backbone, ids[:, :1], positions[:, :1], stack, layout)
+            stack.push(Frame([None if t is None else t[0] for t in kv], [None if t is None else t[1] for t in kv], 1,
+                             states))
+            rest, _, _ = _probe_forward(backbone, ids[:, 1:], positions[:, 1:], stack, layout)
         hidden = torch.cat([first, rest], dim=1)[0, :-1]  # (3, hidden)
         logps, entropy = head_logprobs(head, hidden, targets, entropy=True)  # (3,), (3,)
     logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
@@ -272,7 +290,7 @@ def _reason(lm, precision: Precision) -> str | None:
         if reason is not None:
             return reason
     try:
-        _probe(lm, HeadSpec.from_model(lm), config.num_hidden_layers, precision)
+        _probe(lm, HeadSpec.from_model(lm), LayerLayout.from_config(config), precision)
     except _ProbeFailure as failure:
         return str(failure)
     except Exception as exc:  # raised inside transformers or torch: the model cannot run this way at all

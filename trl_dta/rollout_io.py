@@ -9,8 +9,10 @@ name. Its rows are either **sequences** (token ids, a prompt + completion pair o
 {"turns": [[ids], [ids], ...], "roles": ["system", "user", "assistant", ...]}       or "assistant_mask": [0, 0, 1, ...]
 ```
 
-A tau2-bench results file (the JSON object `tau2 run` writes) is read as conversations too, one per simulation, with
-tau2's system prompt and tool schemas, grouped by task (`trl_dta.envs.tau2.results`; needs `trl-dta[tau2]`).
+A tau2-bench results file (the JSON object `tau2 run` writes, validated by tau2's own `Results` model) is read as
+conversations too, one per simulation, with tau2's system prompt and tool schemas, grouped by task
+(`trl_dta.envs.tau2.results`; needs `trl-dta[tau2]`). A message with `"train": false` (tau2's fixed first agent
+message) is context: its tokens are not assistant tokens, so it is neither trained nor a per-turn row.
 
 `messages` are rendered with the tokenizer's chat template. Message `k` covers the tokens between the renderings of
 `messages[:k]` and `messages[:k + 1]`, so every rendering of a shorter conversation must be a prefix of the whole one
@@ -145,11 +147,44 @@ def _group_label(row: dict, group_field: str, where: str):
     return value
 
 
+# A local tokenizer for the offline case: the byte-level one with TRL's Qwen2.5 chat template that the tau2 adapter uses.
+LOCAL_TOKENIZER_HINT = ("python -c \"from trl_dta.envs.chat import build_chat_tokenizer; "
+                        "build_chat_tokenizer().save_pretrained('chat-tokenizer')\" && ... --tokenizer chat-tokenizer")
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    import os
+    import socket
+
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
 def _tokenizer(name: str | None):
+    """A local directory, a name in the Hugging Face cache, or (online) a hub name; offline, a hub name that is not
+    cached fails at once with a local alternative (instead of transformers' retries)."""
     if name is None:
         return None
     from transformers import AutoTokenizer
 
+    if Path(name).exists():
+        if not Path(name).is_dir():
+            raise AnalysisError(f"--tokenizer {name}: a file; give the folder a tokenizer was saved to "
+                                "(`save_pretrained`) or a hub name")
+        return AutoTokenizer.from_pretrained(name)
+    try:
+        return AutoTokenizer.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError):
+        pass
+    if not _hub_reachable():
+        raise AnalysisError(f"--tokenizer {name!r} is not a local folder, not in the Hugging Face cache, and the hub "
+                            f"cannot be reached (offline); save a tokenizer to a folder and pass it, e.g. "
+                            f"{LOCAL_TOKENIZER_HINT}")
     return AutoTokenizer.from_pretrained(name)
 
 
@@ -349,7 +384,7 @@ def _message_turns(messages: list[dict], tokenizer, where: str, tools: list | No
             )
         turns.append(ids[start:end])
         start = end
-    return turns, [message["role"] == ASSISTANT for message in messages]
+    return turns, [message["role"] == ASSISTANT and message.get("train", True) is not False for message in messages]
 
 
 def load_conversations(

@@ -370,6 +370,56 @@ class PrefixTree:
         range `s .. s + subtree_segments()[s] - 1`."""
         return self.subtree_reduce([1] * len(self.segments))
 
+    # ------------------------------------------------------------------ variants
+
+    def unshared(self, min_length: int = 2) -> PrefixTree:
+        """The same sequences with every internal non-root segment shorter than `min_length` copied into the front
+        of each of its children (and, where sequences end in it, into a new leaf beside them): no segment that has
+        a parent and children is shorter than `min_length`. `self` when there is none.
+
+        The engine runs hybrid models on this tree: a recurrent layer cannot continue a path by a single token
+        without its in-place decoding step, so a one-token segment is computed once per child instead of once
+        (`engine/walk.py`). The result is no longer a trie (siblings may start with the same token); every sequence
+        still ends exactly at the end of one segment, and `n_tree_tokens` counts the copies.
+
+        ```
+        a b | c | d e        a b | c d e
+                \\ f g   ->       \\ c f g      (seq "a b c" also ends here:  a b | c)
+        ```
+        """
+        short = [s.parent >= 0 and s.children and s.length < min_length for s in self.segments]
+        if not any(short):
+            return self
+        # Nodes (start, end, rep, children, ends), rebuilt top-down: a short internal node is replaced by its children
+        # with its tokens in front, and by a leaf copy holding the sequences that end in it.
+        def expand(s: int, start: int) -> list[tuple]:
+            seg = self.segments[s]
+            if seg.parent >= 0 and seg.children and seg.end - start < min_length:
+                out = [(start, seg.end, seg.rep, [], list(seg.ends))] if seg.ends else []
+                for c in seg.children:
+                    out += expand(c, start)
+                return out
+            kids = [node for c in seg.children for node in expand(c, self.segments[c].start)]
+            return [(start, seg.end, seg.rep, kids, list(seg.ends))]
+
+        tree = object.__new__(PrefixTree)
+        tree.seqs, tree.lengths, tree.order, tree.order_lcp = self.seqs, self.lengths, self.order, self.order_lcp
+        tree.empty = list(self.empty)
+        tree.segments, tree.roots, tree.end_segment = [], [], [-1] * len(self.seqs)
+        todo = [(node, -1) for r in reversed(self.roots) for node in reversed(expand(r, self.segments[r].start))]
+        offset = 0
+        while todo:  # pre-order numbering, as the constructor's
+            (start, end, rep, kids, ends), parent = todo.pop()
+            seg = Segment(len(tree.segments), parent, start, end, rep, [], ends, offset)
+            offset += end - start
+            tree.segments.append(seg)
+            (tree.segments[parent].children if parent >= 0 else tree.roots).append(seg.index)
+            for i in ends:
+                tree.end_segment[i] = seg.index
+            todo += [(node, seg.index) for node in reversed(kids)]
+        tree.n_tree_tokens = offset
+        return tree
+
     def __repr__(self) -> str:
         return (
             f"PrefixTree(sequences={self.n_sequences}, tokens={self.n_tokens}, tree_tokens={self.n_tree_tokens}, "

@@ -3,10 +3,12 @@ target is needed by some sequence."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trl_dta.engine.plan import ScorePlan
+from trl_dta.engine.schedule import block_bounds
 from trl_dta.tree import PrefixTree
 
 
@@ -82,3 +84,16 @@ def test_docstring_example():
     assert [plan.n_outputs(s) for s in range(3)] == [3, 1, 1]
     assert plan.slices(0) == [(0, 1, 2), (1, 0, 1)]
     assert plan.slices(1) == [(0, 0, 1), (0, 2, 3), (2, 0, 1)]
+
+
+@pytest.mark.parametrize("length,size,min_block,want", [
+    (5, 2, 1, [(0, 2), (2, 4), (4, 5)]),
+    (5, 2, 2, [(0, 2), (2, 5)]),
+    (1, 4, 2, [(0, 1)]),
+    (7, 1, 2, [(0, 2), (2, 4), (4, 7)]),
+    (8, 4, 2, [(0, 4), (4, 8)]),
+])
+def test_block_bounds(length, size, min_block, want):
+    """Recompute blocks: `block_size` tokens, and for hybrids (`min_block=2`) no block of one token unless the
+    segment is one."""
+    assert block_bounds(length, size, min_block) == want

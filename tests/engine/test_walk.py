@@ -4,14 +4,17 @@ forward per agreed batch, and in training one backward per batch that runs throu
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import FAMILIES, FLOAT32_ONLY, make_model, shared_batch
-from reference import compare_grads, compare_lists, dense_forward_backward, grads_of
-from test_engine import TOL, batches, nonlinear_loss
+from bounds import assert_as_precise_as_dense
+from conftest import FAMILIES, FLOAT32_ONLY, float64_twin, make_model, shared_batch
+from reference import dense_forward_backward
+from test_engine import TOL, batches, check, nonlinear_loss
 from trl_dta import DTAEngine
 
 
@@ -49,25 +52,22 @@ class LayerCalls:
 
 
 def lockstep_check(model, seqs, tol, extra: int, n_scored=None, **engine_kw):
-    """Oracle vs the lockstep walk; returns its output, the agree stand-in and the layer calls."""
-    model.zero_grad(set_to_none=True)
-    _, want_lp, want_ent = dense_forward_backward(model, seqs, nonlinear_loss, n_scored=n_scored)
-    want = grads_of(model)
-    model.zero_grad(set_to_none=True)
+    """Oracle vs the lockstep walk (`test_engine.check`); returns its output, the agree stand-in and the layer calls
+    of the engine call."""
     engine = DTAEngine(model, **engine_kw)
     engine.lockstep = agree = Agree(extra)
-    calls = LayerCalls(model)
-    try:
-        out = engine.forward_backward(seqs, nonlinear_loss, entropy=True, n_scored=n_scored)
-    finally:
-        calls.remove()
-    err_lp, i = compare_lists(out.logps, want_lp)
-    assert err_lp <= tol, f"log-probs differ by {err_lp:.3g} (sequence {i})"
-    err_ent, i = compare_lists(out.entropies, want_ent)
-    assert err_ent <= tol, f"entropies differ by {err_ent:.3g} (sequence {i})"
-    err_g, name = compare_grads(grads_of(model), want)
-    assert err_g <= tol, f"gradient of {name} differs by {err_g:.3g}"
-    return out, agree, calls
+    calls = []
+
+    @contextlib.contextmanager
+    def counted():
+        calls.append(LayerCalls(model))
+        try:
+            yield
+        finally:
+            calls[0].remove()
+
+    out = check(model, seqs, tol, loss_fn=nonlinear_loss, n_scored=n_scored, engine=engine, around=counted)
+    return out, agree, calls[0]
 
 
 def assert_same_calls(out, agree, calls):
@@ -92,15 +92,16 @@ def test_lockstep_float64_equals_oracle(family, extra):
 
 def test_lockstep_float32_stock_model_and_no_grad():
     model = make_model("qwen2", torch.float32)
-    out, agree, calls = lockstep_check(model, shared_batch(1), TOL[torch.float32], 1)
+    out, agree, calls = lockstep_check(model, shared_batch(1), None, 1)
     assert_same_calls(out, agree, calls)
     engine = DTAEngine(model)
     engine.lockstep = agree = Agree(3)
     calls = LayerCalls(model)
     got = engine.logprobs(shared_batch(1), entropy=True)
     calls.remove()
-    plain = DTAEngine(model).logprobs(shared_batch(1), entropy=True)
-    assert compare_lists(got.logps, plain.logps)[0] <= TOL[torch.float32]
+    _, dense, _ = dense_forward_backward(model, shared_batch(1), nonlinear_loss)
+    _, exact, _ = dense_forward_backward(float64_twin(model), shared_batch(1), nonlinear_loss)
+    assert_as_precise_as_dense(got.logps, dense, exact, "lockstep log-probs")
     n = agree.asked[0] + 3
     assert got.stats["forwards"] == n and set(calls.forwards.values()) == {n}
     assert set(calls.backwards.values()) == {0}

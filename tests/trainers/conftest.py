@@ -13,6 +13,8 @@ from datasets import Dataset
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from bounds import assert_as_precise, chain_bound, gradient_slack
+
 SPECIALS = ["<pad>", "<bos>", "<eos>"]
 ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 .,:+=?"
 PAD, BOS, EOS = 0, 1, 2
@@ -22,7 +24,7 @@ DTA: dict = {}
 
 # Logged values that measure time or memory, or that exist only on one side.
 UNCOMPARED = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos",
-              "train_loss"}
+              "train_loss", "dta/rollout_generation_s", "dta/rollout_env_s", "dta/rollout_reward_s"}
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -108,11 +110,16 @@ class Run:
     mixed_precision: str = "no"  # accelerate's, read right after training (its state is shared between trainers)
 
 
-# The precision regimes of the equivalence tests. "fp32" pins `bf16=False`: float32 throughout, DTA's update equal to
-# TRL's within float32 rounding. "trl" keeps TRL's default `bf16=True`: the model given by name loads in float32 and
-# trains and scores under bf16 autocast, as a user runs it; DTA is judged by the dense path's own bf16 error
-# (`assert_bf16_bar`).
-PRECISIONS = ("fp32", "trl")
+# The precision regimes of the equivalence tests (`compare_in_precision`; bounds derived in `tests/bounds.py` and
+# below, none tuned to a machine):
+# - "fp64", the exactness question: both trainers load the model in float64; every parameter update, every logged
+#   value within `float64_rtol` of TRL's (the float32 steps TRL keeps inside a float64 model, bounded).
+# - "fp32", what float32 can promise: TRL and DTA in float32 (`bf16=False`), both judged against TRL in float64 on the
+#   same completions; DTA's update no farther from it than `gradient_slack` times TRL's float32 update is
+#   (`assert_as_precise_run`), its logged values within float32 rounding of TRL's (`float32_rtol`).
+# - "trl", TRL's default `bf16=True`: the model given by name loads in float32 and trains and scores under bf16
+#   autocast, as a user runs it; DTA is judged by the dense path's own bf16 error (`assert_bf16_bar`).
+PRECISIONS = ("fp64", "fp32", "trl")
 # The "trl" regime's comparisons (`compare_in_precision`) train all three runs at a tenth of the learning rate.
 # At the tests' SGD step (0.05, TRL's default is 1e-6) a
 # quarter of the tokens leave the clip range by the second step, and clipping's discontinuity turns bf16 rounding into
@@ -123,8 +130,8 @@ LEARNING_RATE = 0.05  # the tests' SGD step
 
 
 def make_args(config_cls, output_dir: Path, steps: int = 2, precision: str = "fp32", **config):
-    """The tests' config: small batches, SGD (parameter updates proportional to the gradients) on CPU, float32
-    (`precision="fp32"`) or TRL's default bf16 autocast (`precision="trl"`)."""
+    """The tests' config: small batches, SGD (parameter updates proportional to the gradients) on CPU, the model in
+    float64 (`precision="fp64"`), float32 (`"fp32"`) or TRL's default bf16 autocast over float32 (`"trl"`)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     defaults = dict(
@@ -146,8 +153,10 @@ def make_args(config_cls, output_dir: Path, steps: int = 2, precision: str = "fp
         seed=0,
         disable_tqdm=True,
     )
-    if precision == "fp32":
+    if precision in ("fp32", "fp64"):
         defaults["bf16"] = False
+    if precision == "fp64":
+        defaults["model_init_kwargs"] = {**(config.pop("model_init_kwargs", None) or {}), "dtype": torch.float64}
     defaults.update(config)
     args = config_cls(**defaults)
     if precision == "trl":
@@ -182,14 +191,71 @@ def train(trainer_cls, config_cls, model_dir, tokenizer, dataset, output_dir: Pa
     return Run(trainer, logs, completions, initial, final, trainer.accelerator.mixed_precision)
 
 
-def assert_params_close(ref: Run, dta: Run, rtol: float = 1e-5) -> float:
-    """Every trained parameter within `rtol` of its own size (max over the tensor). Returns the worst error."""
-    worst = 0.0
-    for name, p in ref.final.items():
-        err = (dta.final[name] - p).abs().max().item() / max(p.abs().max().item(), 1e-30)
-        assert err <= rtol, f"{name}: differs by {err:.2e} relative to its size"
-        worst = max(worst, err)
-    return worst
+# ------------------------------------------------------------------------------------------------ bounds of a run
+
+
+def _text_config(run: Run):
+    model = run.trainer.model
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return model.config.get_text_config()
+
+
+def _dtype(run: Run) -> torch.dtype:
+    dtypes = {p.dtype for p in run.final.values()}
+    assert len(dtypes) == 1, f"trained parameters in several dtypes {dtypes}"
+    return dtypes.pop()
+
+
+def tokens_per_step(run: Run) -> int:
+    """An upper bound on the tokens one optimizer step sums over: the most tokens of one generation (TRL's cumulative
+    `num_tokens` counts prompts and completions once per generation, which covers one or more steps)."""
+    return tokens_per_step_of(run.logs)
+
+
+def tokens_per_step_of(logs: list[dict]) -> int:
+    """`tokens_per_step` from logged entries."""
+    seen = [0] + [entry["num_tokens"] for entry in logs if "num_tokens" in entry]
+    assert len(seen) > 1, "the run logged no `num_tokens`"
+    return int(max(b - a for a, b in zip(seen, seen[1:])) or seen[-1])
+
+
+def rows_per_step(run: Run) -> int:
+    """The sequences of one optimizer step on all processes: an upper bound on the most that share a token."""
+    args = run.trainer.args
+    return args.per_device_train_batch_size * args.gradient_accumulation_steps * run.trainer.accelerator.num_processes
+
+
+def float64_rtol_of(config, tokens: int) -> float:
+    """`float64_rtol` from a model's text config and the tokens of a step."""
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+    layers = config.num_hidden_layers
+    k = config.vocab_size + tokens + 2 * (2 * layers + 1) + (layers * (config.hidden_size + experts) if experts else 0)
+    return chain_bound(k + 10, torch.float32)
+
+
+def float64_rtol(run: Run, tokens: int | None = None) -> float:
+    """How far apart two float64 trainings of the same data (TRL's and DTA's) may end, relative to each tensor's
+    update and to each logged value: a float64 model still takes float32 steps, TRL's fused LM head (its softmax
+    statistics in float32 over the vocabulary, its weight gradient accumulated in float32 over the step's tokens:
+    `trl.kernels.ChunkedLogProbFunction`), the stock RMSNorm's float32 upcast (two per layer and the final norm), and
+    in MoE models the routers' float32 softmax (their logits over the hidden size, the experts). Float64's own
+    rounding is 2**29 times smaller. So `bounds.chain_bound(k)` in float32 with k = vocabulary + tokens per step +
+    2 (2 L + 1) + L (hidden + experts) + 10 (`tokens`: the step's tokens, default `tokens_per_step`)."""
+    return float64_rtol_of(_text_config(run), tokens_per_step(run) if tokens is None else tokens)
+
+
+def float32_rtol(run: Run, tokens: int | None = None) -> float:
+    """How far apart two float32 computations of the same logged value may be (relative to it, or to the O(1)
+    magnitudes it sums: standardised advantages, ratios near 1, entropies up to log V): `bounds.chain_bound(k)` with
+    k the longest chain of a value through the model and back: per layer the projections (hidden, intermediate)
+    and attention over at most the step's tokens, the head (hidden, vocabulary), twice (forward and backward), plus
+    the sums over the step's tokens and over the sequences that share one (`tokens`: default `tokens_per_step`)."""
+    c = _text_config(run)
+    inner = getattr(c, "moe_intermediate_size", None) or getattr(c, "intermediate_size", None) or 4 * c.hidden_size
+    tokens = tokens_per_step(run) if tokens is None else tokens
+    k = (2 * (c.num_hidden_layers * (c.hidden_size + inner + tokens + 10) + c.hidden_size + c.vocab_size) + tokens
+         + rows_per_step(run) + 10)
+    return chain_bound(k, torch.float32)
 
 
 def _close(a, b, rtol, atol) -> bool:
@@ -200,38 +266,83 @@ def _close(a, b, rtol, atol) -> bool:
     return abs(a - b) <= atol + rtol * abs(b)
 
 
-def assert_equivalent(ref: Run, dta: Run, rtol: float = 1e-5, atol: float = 1e-6, compare_metrics: bool = True,
-                      compare_completions: bool = True) -> dict[str, float]:
-    """DTA's run equals TRL's: same completions, same logged loss/metrics, same parameters after training.
+# ------------------------------------------------------------------------------------------------ comparisons
 
-    Parameters are compared on their update: `max |p_dta - p_trl| <= rtol * max |p_trl - p_init|` per tensor, and every
-    trained tensor must have moved (so the comparison can fail). Returns the worst relative errors.
-    """
+
+def assert_same_logs(ref: Run, dta: Run, rtol: float, atol: float, compare_metrics: bool = True,
+                     compare_completions: bool = True) -> dict[str, float]:
+    """The same completions, and every logged loss/metric of every step within `atol + rtol |TRL's|`. Returns the
+    worst relative errors of the loss and of the other metrics."""
     if compare_completions:
         assert dta.completions == ref.completions, "the two trainers generated different completions"
     assert len(dta.logs) == len(ref.logs) > 0
-    worst = {"loss": 0.0, "metric": 0.0, "param": 0.0}
+    worst = {"loss": 0.0, "metric": 0.0}
     for step, (r, d) in enumerate(zip(ref.logs, dta.logs)):
         keys = ["loss", "grad_norm"] if not compare_metrics else [k for k in r if k not in UNCOMPARED]
         for key in keys:
             assert key in d, f"step {step}: DTA did not log {key!r}"
             a, b = d[key], r[key]
-            assert _close(a, b, rtol, atol), f"step {step}: {key} = {a!r} (DTA) vs {b!r} (TRL)"
+            assert _close(a, b, rtol, atol), f"step {step}: {key} = {a!r} (DTA) vs {b!r} (TRL), bound {rtol:.2g}"
             if isinstance(a, float) and isinstance(b, float) and not math.isnan(b):
                 kind = "loss" if key == "loss" else "metric"
                 worst[kind] = max(worst[kind], abs(a - b) / max(abs(b), atol, 1e-30))
+    return worst
+
+
+def assert_same_updates(ref: Run, dta: Run, rtol: float) -> float:
+    """The same start, and every trained tensor's update within `rtol` of TRL's: `max |p_dta - p_trl| <= rtol * max
+    |p_trl - p_init|` per tensor; at least one tensor moved (so the comparison can fail). Returns the worst."""
     assert ref.final.keys() == dta.final.keys()
-    moved = 0
+    moved, worst = 0, 0.0
     for name, p_ref in ref.final.items():
-        update = (p_ref - ref.initial[name]).abs().max().item()
         assert torch.equal(ref.initial[name], dta.initial[name]), f"{name}: different initial values"
+        update = (p_ref - ref.initial[name]).abs().max().item()
         if update == 0:
             continue
         moved += 1
         err = (dta.final[name] - p_ref).abs().max().item() / update
-        worst["param"] = max(worst["param"], err)
-        assert err <= rtol, f"{name}: parameter update differs by {err:.2e} (relative to the update)"
+        worst = max(worst, err)
+        assert err <= rtol, f"{name}: parameter update differs by {err:.2e} (relative to the update; bound {rtol:.2g})"
     assert moved > 0, "no parameter moved: the comparison would be vacuous"
+    return worst
+
+
+def assert_equivalent(ref: Run, dta: Run, rtol: float | None = None, atol: float | None = None,
+                      compare_metrics: bool = True, compare_completions: bool = True,
+                      reference: Run | None = None) -> dict[str, float]:
+    """DTA's run equals TRL's: the same completions, the same logged values, the same updates.
+
+    float64 runs (the exactness question): logs and every tensor's update within `float64_rtol` (unless `rtol` is
+    given: 0.0 for runs that must be bit-identical). float32 runs: logs within `float32_rtol`, and the updates judged
+    against `reference`, TRL's float64 run on the same completions (`assert_as_precise_run`). Returns the worst
+    relative errors."""
+    dtype = _dtype(ref)
+    if rtol is None:
+        if dtype == torch.float64:
+            rtol = float64_rtol(ref)
+        elif reference is None:
+            raise ValueError("a float32 comparison of updates needs TRL's float64 run on the same completions as "
+                             "`reference` (bounds are relative to TRL's own float32 error, `assert_as_precise_run`)")
+        else:
+            rtol = float32_rtol(ref)
+    atol = rtol if atol is None else atol
+    worst = assert_same_logs(ref, dta, rtol, atol, compare_metrics, compare_completions)
+    if reference is not None and dtype != torch.float64:
+        worst["param"] = assert_as_precise_run(ref, dta, reference)
+    else:
+        worst["param"] = assert_same_updates(ref, dta, rtol)
+    return worst
+
+
+def assert_params_close(ref: Run, dta: Run, rtol: float | None = None) -> float:
+    """Every trained parameter within `rtol` (default: `float64_rtol`, float64 runs) of its own size (max over the
+    tensor). Returns the worst error."""
+    rtol = float64_rtol(ref) if rtol is None else rtol
+    worst = 0.0
+    for name, p in ref.final.items():
+        err = (dta.final[name] - p).abs().max().item() / max(p.abs().max().item(), 1e-30)
+        assert err <= rtol, f"{name}: differs by {err:.2e} relative to its size"
+        worst = max(worst, err)
     return worst
 
 
@@ -239,24 +350,42 @@ def update_gap(a: Run, b: Run) -> float:
     """`||u_a - u_b|| / ||u_b||`, the relative difference of two runs' parameter updates `u = final - initial` over
     all trained parameters together."""
     assert a.final.keys() == b.final.keys()
-    num = sum(((a.final[n] - a.initial[n]) - (b.final[n] - b.initial[n])).double().pow(2).sum() for n in b.final)
+    num = sum(((a.final[n] - a.initial[n]).double() - (b.final[n] - b.initial[n]).double()).pow(2).sum()
+              for n in b.final)
     den = sum((b.final[n] - b.initial[n]).double().pow(2).sum() for n in b.final)
     assert den > 0, "no parameter moved: the comparison would be vacuous"
     return float((num / den).sqrt())
 
 
-# DTA's bf16 update may be this many times farther from TRL's float32 update than TRL's own bf16 update is. Two bf16
-# computations with roundings of the same size but not the same (DTA's attention parts and summed prefix gradients,
-# see tests/test_precision.py) differ from each other by about as much as each differs from float32, so the bar is
-# on the distance to float32, with the engine-level factor (`test_precision.SLACK`).
-BF16_SLACK = 2.0
+def update_slack(run: Run) -> float:
+    """`bounds.gradient_slack` for a run's updates: at most `rows_per_step` sequences share a token, over all the
+    trained parameters' elements."""
+    return gradient_slack(rows_per_step(run), sum(p.numel() for p in run.final.values()))
+
+
+def assert_as_precise_run(ref: Run, dta: Run, reference: Run) -> float:
+    """float32: DTA's update no farther from TRL's float64 update (`reference`, the same completions) than
+    `update_slack` times TRL's float32 update is (relative L2 over all parameters, `update_gap`). Both float32 runs
+    round their parameters to float32 after every step, an error they share; the rest is their gradients' rounding,
+    whose multiple `bounds.gradient_slack` derives. Returns the ratio."""
+    assert _dtype(reference) == torch.float64, "the reference run must be float64"
+    assert reference.completions == ref.completions == dta.completions, (
+        "TRL's float64 run sampled other completions than the float32 runs: the gaps would measure sampling")
+    return assert_as_precise(update_gap(dta, reference), update_gap(ref, reference), update_slack(ref),
+                             "parameter updates")
+
+
+# DTA's bf16 update may be `update_slack` times farther from TRL's float32 update than TRL's own bf16 update is: the
+# multiple `bounds.gradient_slack` derives for a backward that sums the gradients of the sequences sharing a prefix
+# before rounding (DTA's attention parts and summed prefix gradients, see tests/test_precision.py), against the
+# dense path's independent roundings.
 
 
 def assert_bf16_bar(trl_bf16: Run, trl_fp32: Run, dta_bf16: Run) -> dict[str, float]:
-    """DTA under TRL's default precision is as accurate as TRL's bf16 path: `gap(DTA bf16, TRL fp32) <= BF16_SLACK *
-    gap(TRL bf16, TRL fp32)` (`update_gap`). All three generated the same completions (else the gaps would measure
-    sampling, not precision), trained at one learning rate, and the bf16 runs really ran under bf16 autocast.
-    Returns the three gaps (`dta_vs_trl_bf16` too, for the record)."""
+    """DTA under TRL's default precision is as accurate as TRL's bf16 path: `gap(DTA bf16, TRL fp32) <=
+    update_slack * gap(TRL bf16, TRL fp32)` (`update_gap`). All three generated the same completions (else the gaps
+    would measure sampling, not precision), trained at one learning rate, and the bf16 runs really ran under bf16
+    autocast. Returns the three gaps (`dta_vs_trl_bf16` too, for the record)."""
     assert trl_bf16.mixed_precision == dta_bf16.mixed_precision == "bf16" and trl_fp32.mixed_precision == "no"
     rates = {run.trainer.args.learning_rate for run in (trl_bf16, trl_fp32, dta_bf16)}
     assert len(rates) == 1, f"the three runs trained at different learning rates {rates}"
@@ -265,20 +394,21 @@ def assert_bf16_bar(trl_bf16: Run, trl_fp32: Run, dta_bf16: Run) -> dict[str, fl
     gaps = {"dta_vs_trl_bf16": update_gap(dta_bf16, trl_bf16), "trl_bf16_vs_fp32": update_gap(trl_bf16, trl_fp32),
             "dta_bf16_vs_fp32": update_gap(dta_bf16, trl_fp32)}
     assert gaps["trl_bf16_vs_fp32"] > 0, "TRL's bf16 update equals its float32 one: bf16 did not run"
-    assert gaps["dta_bf16_vs_fp32"] <= BF16_SLACK * gaps["trl_bf16_vs_fp32"], (
-        f"DTA's bf16 update differs from TRL's float32 one by {gaps['dta_bf16_vs_fp32']:.3g}, more than {BF16_SLACK} x "
-        f"TRL's bf16 update does ({gaps['trl_bf16_vs_fp32']:.3g})"
-    )
+    assert_as_precise(gaps["dta_bf16_vs_fp32"], gaps["trl_bf16_vs_fp32"], update_slack(trl_bf16),
+                      "bf16 parameter updates")
     return gaps
 
 
 def compare_in_precision(precision: str, ref_cls, ref_config, dta_cls, dta_config_cls, model_dir, tokenizer, dataset,
-                         tmp_path: Path, update_rtol: float = 1e-4, check_metrics: bool = True,
-                         dta_config: dict | None = None, return_gaps: bool = False, **config):
-    """Train TRL's trainer and DTA's on the same data in `precision` and compare them: "fp32" as `assert_equivalent`
-    (updates within `update_rtol`), "trl" by `assert_bf16_bar` (a float32 TRL run added, all three at
-    `BF16_LEARNING_RATE_FACTOR` times the learning rate). Returns `(TRL, DTA)`, and
-    with `return_gaps` the measured differences (`assert_equivalent`'s or `assert_bf16_bar`'s) as a third item."""
+                         tmp_path: Path, update_rtol: float | None = None, check_metrics: bool = True,
+                         dta_config: dict | None = None, return_gaps: bool = False,
+                         reference_config: dict | None = None, **config):
+    """Train TRL's trainer and DTA's on the same data in `precision` and compare them (`PRECISIONS`): "fp64" as
+    `assert_equivalent` (updates within `update_rtol`, default `float64_rtol`); "fp32" against a third run, TRL's in
+    float64 (`assert_as_precise_run`); "trl" by `assert_bf16_bar` (a float32 TRL run added, all three at
+    `BF16_LEARNING_RATE_FACTOR` times the learning rate). `reference_config` overrides `config` for the float64
+    reference of "fp32" (e.g. MoE experts in their float64-capable form). Returns `(TRL, DTA)`, and with
+    `return_gaps` the measured differences as a third item."""
     if precision == "trl":
         config["learning_rate"] = config.get("learning_rate", LEARNING_RATE) * BF16_LEARNING_RATE_FACTOR
     ref = train(ref_cls, ref_config, model_dir, tokenizer, dataset, tmp_path / "trl", precision=precision, **config)
@@ -286,9 +416,13 @@ def compare_in_precision(precision: str, ref_cls, ref_config, dta_cls, dta_confi
                 **config, **(dta_config or {}))
     assert all(entry["dta/dense_fallback"] == 0.0 for entry in dta.logs if "dta/dense_fallback" in entry)
     assert any("dta/tree_tokens" in entry for entry in dta.logs), "no micro-batch ran through DTA"
-    if precision == "fp32":
-        assert_params_close(ref, dta)
+    if precision == "fp64":
+        assert_params_close(ref, dta, update_rtol)
         gaps = assert_equivalent(ref, dta, rtol=update_rtol, compare_metrics=check_metrics)
+    elif precision == "fp32":
+        exact = train(ref_cls, ref_config, model_dir, tokenizer, dataset, tmp_path / "trl_fp64", precision="fp64",
+                      **{**config, **(reference_config or {})})
+        gaps = assert_equivalent(ref, dta, compare_metrics=check_metrics, reference=exact)
     else:
         fp32 = train(ref_cls, ref_config, model_dir, tokenizer, dataset, tmp_path / "trl_fp32", precision="fp32",
                      **config)

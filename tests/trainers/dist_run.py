@@ -10,9 +10,11 @@ Under FSDP (`accelerate launch --use_fsdp --fsdp_version 2 ...`) the CPU upgrade
 real; `--variants` then trains several configurations one after the other in one launch (`VARIANTS`: TRL's trainer,
 DTA's defaults, DTA walking every segment), each from the saved model, into `<out stem>-<variant>.pt`.
 
-`--precision` is `make_args`'s (`fp32`: `bf16=False`; `trl`: TRL's default `bf16=True`), `name@fp32` a variant in the
-other precision (accelerate's state is reset in between); every run records and asserts the dtypes its optimizer steps
-really ran in (`PrecisionProbe`, `assert_precision`: accelerate maps bf16 differently per engine).
+`--precision` is `make_args`'s (`fp64`: `bf16=False`, the model loaded in float64, a hybrid model with its recurrences'
+float32 casts removed, `hybrid_models.float64_internals`; `fp32`: `bf16=False`; `trl`: TRL's default `bf16=True`),
+`name@fp32` a variant in another precision (accelerate's state is reset in between); every run records and asserts
+the dtypes its optimizer steps really ran in (`PrecisionProbe`, `assert_precision`: accelerate maps bf16 differently
+per engine).
 
     accelerate launch --multi_gpu --num_processes 2 tests/trainers/dist_run.py --out a.pt --trainer grpo --dta 1
 """
@@ -28,6 +30,7 @@ import torch
 from accelerate import PartialState
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/: hybrid_models
 from conftest import LEARNING_RATE, PAD, PRECISIONS, build_tokenizer, make_args  # noqa: E402
 from cpu_engines import (  # noqa: E402
     CollectiveCounter,
@@ -177,8 +180,11 @@ def main() -> None:
     parser.add_argument("--variants", default="", help=f"comma-separated, of {list(VARIANTS)} (overrides --dta); "
                         "`name@fp32` / `name@trl`: that variant in that precision")
     parser.add_argument("--expect", default="", help="fsdp2 or deepspeed: assert that this engine really ran")
-    parser.add_argument("--precision", choices=PRECISIONS, default="fp32", help="make_args's: fp32 or trl (bf16=True)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                        help="make_args's: fp64, fp32 or trl (bf16=True)")
     parser.add_argument("--learning_rate", type=float, default=LEARNING_RATE)
+    parser.add_argument("--refused", default="", help="comma-separated variants whose trainer must refuse the setting "
+                        "at construction: the error's type and message are saved instead of a run")
     args = parser.parse_args()
     enable_cpu_engines()
     if not args.variants:
@@ -194,10 +200,39 @@ def main() -> None:
             AcceleratorState._reset_state()  # accelerate fixes the precision once per state (the gloo group stays)
         precision = own or args.precision
         run_args = argparse.Namespace(**{**vars(args), "precision": precision})
-        train_one(run_args, int(name != "trl"), VARIANTS[name], out, last=variant == variants[-1])
+        if variant in args.refused.split(","):
+            refused_at_construction(run_args, VARIANTS[name], out)
+            continue
+        with float64_internals_of(run_args):
+            train_one(run_args, int(name != "trl"), VARIANTS[name], out, last=variant == variants[-1])
 
 
-def train_one(args, dta: int, extra: dict, out, last: bool = True) -> None:
+def float64_internals_of(args):
+    """`fp64` runs of a hybrid model: its recurrences' float32 casts removed (`hybrid_models.float64_internals`)."""
+    import contextlib
+
+    from transformers import AutoConfig
+
+    from hybrid_models import HYBRID_FAMILIES, float64_internals
+
+    model_type = AutoConfig.from_pretrained(args.model_dir).model_type
+    if args.precision != "fp64" or model_type not in HYBRID_FAMILIES:
+        return contextlib.nullcontext()
+    return float64_internals(model_type)
+
+
+def refused_at_construction(args, extra: dict, out) -> None:
+    """A DTA trainer built with `extra` must raise at construction (on every rank); rank 0 saves what it raised."""
+    try:
+        train_one(args, 1, extra, out, construct_only=True)
+    except (ValueError, NotImplementedError) as exc:
+        if PartialState().is_main_process:
+            torch.save({"refused": type(exc).__name__, "message": str(exc)}, out)
+        return
+    raise AssertionError(f"{extra}: the trainer was built, but should have been refused")
+
+
+def train_one(args, dta: int, extra: dict, out, last: bool = True, construct_only: bool = False) -> None:
     from datasets import Dataset
 
     if args.trainer == "grpo":
@@ -243,6 +278,8 @@ def train_one(args, dta: int, extra: dict, out, last: bool = True) -> None:
         processing_class=tokenizer,
         peft_config=peft_config,
     )
+    if construct_only:
+        return
     counter = CollectiveCounter()
     counter.count_training(trainer)
     engine_calls = EngineCalls()
@@ -376,6 +413,10 @@ def assert_precision(ran: dict, precision: str, expect: str) -> None:
     """The optimizer steps ran in `precision` as accelerate maps it for the engine, so that a silent float32 run (or a
     bf16 one where float32 was asked for) cannot pass."""
     assert ran["calls"], "no nn.Linear ran in the optimizer steps"
+    if precision == "fp64":
+        assert ran["calls"] == [("float64", "float64", False)], ran
+        assert ran["mixed_precision"] == "no" and ran["stored"] == ["float64"], ran
+        return
     if precision == "fp32":
         assert ran["calls"] == [("float32", "float32", False)], ran
         assert ran["mixed_precision"] == "no" and ran["stored"] == ["float32"], ran

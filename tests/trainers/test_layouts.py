@@ -14,6 +14,7 @@ from collections import Counter
 
 import pytest
 import torch
+from bounds import UNIT_ROUNDOFF
 from conftest import use_input_dtype_norms
 from trl.trainer.utils import pad
 
@@ -387,18 +388,20 @@ def test_padding_rows_carry_no_loss(tmp_path, episodes, tokenizer, loss_type, le
     # The per-sequence means (sequence-level ratios, VESPO's weight) are corrected to the real rows by
     # `unpadded_metrics`; a sequence-level minimum over rows can only be lowered by a padding row's 0 (documented).
     # TRL divides those means by a float32 row count (its `.item()` is float32-rounded), which the correction
-    # multiplies by all / real rows: they agree to float32 rounding; the token-level metrics are exact.
+    # multiplies by all / real rows: they agree to float32 rounding (TRL's rounded mean, the correction's product and
+    # quotient, the count's float32 value: 4 roundings, `float32_mean`); the token-level metrics are exact (float64).
+    float32_mean = 4 * UNIT_ROUNDOFF[torch.float32]
     corrected = ["vespo/phi_seq_mean"] if loss_type == "vespo" else []
     corrected += ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
                   "cispo_clip_ratio"] if level == "sequence" else []
     assert metrics.keys() == padded_metrics.keys() and "entropy" in metrics
     for key, value in metrics.items():
         if not (level == "sequence" and key == "clip_ratio/low_min"):
-            rel = 1e-6 if key in corrected else 1e-12
+            rel = float32_mean if key in corrected else 1e-12
             assert padded_metrics[key] == pytest.approx(value, rel=rel, abs=1e-15, nan_ok=True), key
     # Without the correction, those means count the padding rows (the check above can fail).
     trainer._metrics["train"].clear()
     with torch.no_grad():
         trainer._compute_loss(trainer.model, padded)
     for key in [k for k in corrected if metrics.get(k)]:
-        assert trainer._metrics["train"][key][-1] != pytest.approx(metrics[key], rel=1e-6), key
+        assert trainer._metrics["train"][key][-1] != pytest.approx(metrics[key], rel=float32_mean), key

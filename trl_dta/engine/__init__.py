@@ -33,6 +33,11 @@ the parameter gradients are exactly those of the dense per-sequence computation.
 sequences, linear in the router probabilities once a no-grad counting pass has given each group's routing fractions;
 every forward of the walk then adds its tokens' router term to what it back-propagates.
 
+**Hybrid models** (`recurrent/`: Gated DeltaNet or Mamba2 layers beside attention): the recurrent layers' states
+travel on the stack like keys/values (sinks, summed gradients injected at pop), handed to the model's own layers
+through a cache-shaped carrier; the schedule walks every internal segment (no packed subtree rows, no lockstep) and
+never continues a path by a lone token.
+
 Modules: `core.py` (public class, argument checks, the model switch), `plan.py` (score plan), `schedule.py` (rows,
 blocks or walk), `rows.py` (packed rows and their masks), `walk.py` (execution), `router_loss.py` (the MoE
 load-balancing loss over the tree).

@@ -18,6 +18,7 @@ import torch
 from .. import _checks, attention, kernels
 from ..models import TESTED_MODEL_TYPES, check_model_support
 from ..precision import Precision
+from ..recurrent import LayerLayout
 from ..tree import PrefixTree
 from . import router_loss as routers
 from .plan import ScorePlan
@@ -114,6 +115,10 @@ class DTAEngine:
     the processes (an all-reduce); each call then runs its tree as batches of packed subtree rows, as many as every
     process runs (`engine/walk.py`, "Lockstep"; stat `idle_batches`). Exact like every schedule.
 
+    Hybrid models (recurrent layers beside attention, `trl_dta.recurrent.RECURRENT_FAMILIES`): the recurrent layers'
+    states are carried along the tree (`engine.layout`); `max_pack_tokens` has no effect on them (a recurrence cannot
+    follow a tree mask, so every internal segment is walked and only leaves are batched) and `lockstep` is refused.
+
     Precision: each call runs the model under the autocast its dense forward would run under, the caller's (e.g.
     `accelerator.autocast()`) or the one accelerate's mixed-precision wrapper puts around a prepared model's forward
     (`trl_dta.precision`); the loss and the backward run outside autocast, as `accelerator.backward` does.
@@ -146,6 +151,7 @@ class DTAEngine:
         check_model_support(lm, self._precision(lm))  # rules + a 4-token probe against the dense forward
         self._device_backend(lm)  # an unavailable backend is refused here, not at the first call
         self.n_layers = self._config.num_hidden_layers
+        self.layout = LayerLayout.from_config(self._config)
         attention.register()
 
     def _precision(self, lm) -> Precision:
@@ -236,11 +242,16 @@ class DTAEngine:
         entropy = _checks.check_bool("entropy", entropy)
         lm = _causal_lm(self.model)
         tree = self._tree(seqs, lm)
-        plan = ScorePlan(tree, _n_scored(tree, n_scored))
+        walked = tree
+        if self.layout.hybrid:
+            self._refuse_lockstep()
+            walked = tree.unshared(min_length=2)  # no one-token continuation of a path (`walk.py`)
+        plan = ScorePlan(walked, _n_scored(tree, n_scored))
         if loss_fn is not None:
             _checks.check_no_dropout(lm, fix=_DROPOUT_FIX)
-        budgets = Budgets(self.block_size, self.max_batch_tokens, self.max_graph_tokens, self.max_pack_tokens,
-                          self.lm_head_chunk_size)
+        # Hybrid models: no packed subtree rows (a recurrence cannot follow a tree mask); leaves still run batched.
+        pack = 0 if self.layout.hybrid else self.max_pack_tokens
+        budgets = Budgets(self.block_size, self.max_batch_tokens, self.max_graph_tokens, pack, self.lm_head_chunk_size)
         spec = None
         if router_loss is not None:
             spec = routers.router_spec(lm)
@@ -250,14 +261,14 @@ class DTAEngine:
             backend = self._device_backend(lm)
             observer = None
             if spec is not None and loss_fn is not None:  # training: the counting pass first
-                observer, aux, counted = self._router_counts(lm, tree, budgets, backend, spec, capture, router_loss)
+                observer, aux, counted = self._router_counts(lm, walked, budgets, backend, spec, capture, router_loss)
             elif spec is not None:  # no grad: the walk itself counts
-                record = routers.new_record(tree, spec, lm.dtype, lm.get_output_embeddings().weight.device)
+                record = routers.new_record(walked, spec, lm.dtype, lm.get_output_embeddings().weight.device)
                 observer = routers.RouterObserver(capture, spec, record=record)
-            result = TreeWalk(lm, self.n_layers, tree, plan, budgets, loss_fn, temperature, entropy, backend,
+            result = TreeWalk(lm, self.layout, walked, plan, budgets, loss_fn, temperature, entropy, backend,
                               self._precision(lm), router=observer, lockstep=self.lockstep).run()
         if record is not None:
-            aux = routers.router_weights(record, tree, router_loss, spec.n_experts).aux
+            aux = routers.router_weights(record, walked, router_loss, spec.n_experts).aux
         elif aux is not None:
             coefs = torch.tensor([float(c) for c in router_loss.coefs], dtype=aux.dtype, device=aux.device)
             result.loss = result.loss + (coefs * aux).sum().to(result.loss.device, result.loss.dtype)
@@ -277,11 +288,20 @@ class DTAEngine:
         counting = routers.RouterObserver(capture, spec, record=record)
         plan = ScorePlan(tree, [0] * tree.n_sequences)
         with torch.no_grad():
-            walk = TreeWalk(lm, self.n_layers, tree, plan, budgets, None, 1.0, False, backend,
+            walk = TreeWalk(lm, self.layout, tree, plan, budgets, None, 1.0, False, backend,
                              self._precision(lm), router=counting, lockstep=self.lockstep)
             stats = walk.run().stats
         weights = routers.router_weights(record, tree, request, spec.n_experts)
         return routers.RouterObserver(capture, spec, weights=weights.weights), weights.aux, stats
+
+    def _refuse_lockstep(self) -> None:
+        if self.lockstep is not None:
+            raise NotImplementedError(
+                f"DTAEngine.lockstep: {type(_causal_lm(self.model)).__name__} has recurrent layers "
+                f"{list(self.layout.recurrent)}, which cannot run the lockstep walk's packed subtree rows (a recurrence "
+                "cannot follow a tree mask). Leave `engine.lockstep` unset (under FSDP2: the trainers' "
+                "`dta_fsdp_schedule='window'`)."
+            )
 
     def _tree(self, seqs, lm) -> PrefixTree:
         """The batch as a tree, refused before any forward if the dense model could not run it."""

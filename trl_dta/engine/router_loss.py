@@ -50,6 +50,8 @@ from ..tree import PrefixTree
 ROUTER_LOSS_FAMILIES: dict[str, str] = {
     "qwen3_moe": "num_experts",
     "mixtral": "num_local_experts",
+    "qwen3_next": "num_experts",  # hybrids (`recurrent/`) with the same function
+    "granitemoehybrid": "num_local_experts",
 }
 
 _FIX = "set `router_aux_loss_coef=0.0` in the trainer's config, or `dta_enabled=False` for TRL's dense path"

@@ -43,6 +43,23 @@ class ChildSchedule:
     walk: list[int] = field(default_factory=list)
 
 
+def block_bounds(length: int, block_size: int, min_block: int = 1) -> list[tuple[int, int]]:
+    """`[lo, hi)` bounds of the recompute blocks of a segment of `length` tokens: `block_size` tokens each, the last
+    one shorter. With `min_block > 1` (hybrid models, whose layers decode a single token in place) no block is shorter
+    than `min_block` unless the whole segment is: a short last block joins the one before it (which then holds up to
+    `block_size + min_block - 1` tokens).
+
+    Example: `block_bounds(5, 2)` is `[(0, 2), (2, 4), (4, 5)]`; `block_bounds(5, 2, min_block=2)` is
+    `[(0, 2), (2, 5)]`.
+    """
+    size = max(block_size, min_block)
+    bounds = [(lo, min(lo + size, length)) for lo in range(0, length, size)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < min_block:
+        (lo, _), (_, hi) = bounds[-2], bounds.pop()
+        bounds[-1] = (lo, hi)
+    return bounds
+
+
 def graph_fits(budgets: Budgets, train: bool, live: int, n_tokens: int) -> bool:
     """Whether `n_tokens` more tokens of autograd graph fit beside the `live` ones kept on the path."""
     budget = budgets.max_graph_tokens

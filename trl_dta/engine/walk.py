@@ -23,6 +23,14 @@ its output (a zero multiple of the last hidden state joins the loss). `lockstep(
 the processes; a process with fewer runs the difference as idle batches (one padding token, no loss). Every token
 is still forwarded and back-propagated once; what is given up is the two-part attention of siblings over a stored
 prefix: a row attends over its whole packed subtree.
+
+Hybrid models (`recurrent/`, a `layout` with recurrent layers): every forward passes a [`StateCarrier`] as the model's
+`cache=`, which hands the recurrent layers the path's states (the top frame's) and records their new ones; a frame
+pushes those as sinks beside its keys/values and `_inject` back-propagates their summed gradients with the segment's
+graph. The engine gives such a walk no packed subtree rows and no lockstep (a recurrence cannot follow a tree mask),
+and no one-token segment with children (`PrefixTree.unshared`); a forward of one token after a non-empty path (a
+one-token leaf, or a leaf's last block) is padded to two tokens on the right, because transformers' layers decode
+one token with in-place state updates, and its states are not kept (a leaf hands them to nobody).
 """
 
 from __future__ import annotations
@@ -36,10 +44,11 @@ from ..attention import AttentionContext
 from ..kv_stack import Frame, KVStack
 from ..lm_head import HeadSpec, head_logprobs
 from ..precision import Precision
+from ..recurrent import LayerLayout, StateCarrier
 from ..tree import PrefixTree
 from .plan import BlockTargets, ScorePlan
 from .rows import pack_rows
-from .schedule import Budgets, graph_fits, row_batches, schedule_children
+from .schedule import Budgets, block_bounds, graph_fits, row_batches, schedule_children
 
 LossFn = Callable[[int, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
@@ -69,7 +78,7 @@ class _SegmentState:
     out_lp: torch.Tensor  # (n_outputs,) gradient sink in training: internal targets, then one fork per scored child
     out_ent: torch.Tensor | None  # (n_outputs,) or None
     n_frames: int  # frames it pushed on the stack
-    graph: tuple | None = None  # keep mode: (kv per layer, lp, ent) with autograd history
+    graph: tuple | None = None  # keep mode: (kv per layer, states per layer, lp, ent, aux) with autograd history
     blocks: list[tuple[int, int]] | None = None  # recompute mode: block bounds within the segment
 
 
@@ -78,7 +87,7 @@ class TreeWalk:
 
     Args:
         lm (`transformers.PreTrainedModel`): the causal LM, attention already switched to DTA.
-        n_layers (`int`): its number of attention layers.
+        layout (`LayerLayout`): its attention and recurrent layers.
         tree (`PrefixTree`), plan (`ScorePlan`): the batch and what to score.
         budgets (`Budgets`): the engine's knobs.
         loss_fn (`LossFn`, *optional*): None for a no-grad call.
@@ -92,7 +101,7 @@ class TreeWalk:
             once with this walk's number of row batches, returns the number every process runs.
     """
 
-    def __init__(self, lm, n_layers: int, tree: PrefixTree, plan: ScorePlan, budgets: Budgets,
+    def __init__(self, lm, layout: LayerLayout, tree: PrefixTree, plan: ScorePlan, budgets: Budgets,
                  loss_fn: LossFn | None, temperature: float, entropy: bool, attn_backend: str = "sdpa",
                  precision: Precision | None = None, router=None, lockstep: Callable[[int], int] | None = None):
         self.lm = lm
@@ -100,7 +109,8 @@ class TreeWalk:
         self.head = HeadSpec.from_model(lm)
         self.device = lm.get_output_embeddings().weight.device
         self.precision = precision if precision is not None else Precision.of(device=self.device)
-        self.n_layers = n_layers
+        self.layout = layout
+        self.n_layers = layout.n_layers
         self.tree, self.plan, self.budgets = tree, plan, budgets
         self.loss_fn = loss_fn
         self.train = loss_fn is not None
@@ -109,7 +119,7 @@ class TreeWalk:
         self.attn_backend = attn_backend
         self.router = router
         self.lockstep = lockstep
-        self.stack = KVStack(n_layers)
+        self.stack = KVStack(layout.n_layers)
         self.tokens = [tree.tokens(s.index).to(self.device) for s in tree.segments]  # per segment (length,)
         self.fork_tokens = [torch.stack([self.tokens[c][0] for c in kids]) if kids else None  # (n_forks,)
                             for kids in plan.fork_children]
@@ -129,7 +139,7 @@ class TreeWalk:
     def run(self) -> WalkResult:
         with torch.set_grad_enabled(self.train), self.precision.forward():
             todo: list[tuple[str, int]] = [("children", -1)]  # the depth-first schedule, from the empty path
-            if self.lockstep is not None:
+            if self.lockstep is not None:  # never for a hybrid (`DTAEngine` refuses it)
                 todo = []
                 self._run_lockstep()
             while todo:
@@ -167,7 +177,7 @@ class TreeWalk:
         processes': one padding token at position 0, no loss; a router sees it as padding."""
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         nodes = torch.full((1, 1), -1, dtype=torch.long, device=self.device) if self.router is not None else None
-        hidden, _, aux = self._forward(ids, 0, nodes)
+        hidden, _, _, aux = self._forward(ids, 0, nodes)
         self.stats["idle_batches"] += 1
         if self.train:
             self.pending = _zero_multiple(hidden) if aux is None else _zero_multiple(hidden) + aux * 0
@@ -192,29 +202,49 @@ class TreeWalk:
                  positions: torch.Tensor | None = None, key_end: torch.Tensor | None = None):
         """Forward `ids` `(batch, length)` after the current path; `nodes` `(batch, length)` are their flat tree-token
         indices (`-1` for padding). Returns hidden `(batch, length, hidden)`, the new keys/values per layer, each
-        `(batch, n_kv_heads, length, head_dim)`, and the router term of the forward (None without one).
+        `(batch, n_kv_heads, length, head_dim)` (None for a layer without attention), the new recurrent states per
+        layer (`StateCarrier.states`; None for an attention-only model, or when a padded one-token forward's states
+        are not kept), and the router term of the forward (None without one).
 
         Without `key_end` the rows continue the path causally (positions `path_len + arange(length)`). With it
         (packed rows) `positions` `(batch, length)` are the tokens' depths and `key_end` `(batch, length)` says which
         tokens of its row see each token (`rows.py`; the path's keys are visible to all)."""
         batch, length = ids.shape
+        pad = self.layout.hybrid and length == 1 and self.stack.frames  # see the module docstring
+        if pad:
+            ids = torch.nn.functional.pad(ids, (0, 1))  # (batch, 2): one padding column on the right
+            nodes = None if nodes is None else torch.nn.functional.pad(nodes, (0, 1), value=-1)
+            length = 2
         ctx = AttentionContext(self.stack, positions=positions, key_end=key_end, backend=self.attn_backend)
         if positions is None:
             start = self.stack.length
             positions = torch.arange(start, start + length, device=self.device).expand(batch, length)
-        out = self.backbone(input_ids=ids, position_ids=positions, use_cache=False, dta_ctx=ctx)
-        if ctx.calls != self.n_layers or len(ctx.record) != self.n_layers:
+        carrier = None
+        if self.layout.hybrid:
+            carrier = StateCarrier(self.layout, self.stack.states, batch, length, self.stack.length)
+        out = self.backbone(input_ids=ids, position_ids=positions, use_cache=False, dta_ctx=ctx,
+                            **({"cache": carrier} if carrier is not None else {}))
+        attention = self.layout.attention
+        if ctx.calls != len(attention) or sorted(ctx.record) != list(attention):
             raise NotImplementedError(
-                f"{type(self.lm).__name__}: {ctx.calls} attention calls through transformers' AttentionInterface for "
-                f"{self.n_layers} layers; DTA needs every layer to use it, so this model is not supported."
+                f"{type(self.lm).__name__}: {ctx.calls} attention calls through transformers' AttentionInterface, from "
+                f"layers {sorted(ctx.record)}, for the attention layers {list(attention)}; DTA needs every attention "
+                "layer to use it once, so this model is not supported."
             )
+        states = carrier.states() if carrier is not None else None
         self.stats["forwards"] += 1
         self.stats["forward_tokens"] += n_real
         self.stats["padded_tokens"] += batch * length
         graph = self.live + (batch * length if torch.is_grad_enabled() else 0)
         self.stats["peak_graph_tokens"] = max(self.stats["peak_graph_tokens"], graph)
         aux = self.router.observe(nodes) if self.router is not None else None
-        return out.last_hidden_state, [ctx.record[layer] for layer in range(self.n_layers)], aux
+        hidden = out.last_hidden_state
+        kv = [ctx.record.get(layer) for layer in range(self.n_layers)]
+        if pad:
+            hidden = hidden[:, :1]
+            kv = [None if t is None else (t[0][:, :, :1], t[1][:, :, :1]) for t in kv]
+            states = None
+        return hidden, kv, states, aux
 
     def _nodes(self, s: int, lo: int, hi: int) -> torch.Tensor | None:
         """Flat tree-token indices `(1, hi - lo)` of tokens `lo .. hi - 1` of segment `s` (None without a router
@@ -252,32 +282,35 @@ class TreeWalk:
             t = t.float()
         return t.requires_grad_()
 
-    def _push_frame(self, kv, length: int) -> None:
-        self.stack.push(Frame([self._grad_sink(k) for k, _ in kv], [self._grad_sink(v) for _, v in kv], length))
+    def _push_frame(self, kv, length: int, states) -> None:
+        keys = [None if t is None else self._grad_sink(t[0]) for t in kv]
+        values = [None if t is None else self._grad_sink(t[1]) for t in kv]
+        if states is not None:
+            states = [None if t is None else tuple(self._grad_sink(x) for x in t) for t in states]
+        self.stack.push(Frame(keys, values, length, states))
 
     def _push(self, s: int) -> None:
         """Forward segment `s` after the path (keep mode, or no-grad blocks in recompute mode) and visit the
         sequences that end there."""
         length = self.tree.segments[s].length
         if graph_fits(self.budgets, self.train, self.live, length):
-            hidden, kv, aux = self._forward(self.tokens[s][None], length, self._nodes(s, 0, length))
+            hidden, kv, states, aux = self._forward(self.tokens[s][None], length, self._nodes(s, 0, length))
             lp, ent = self._score(hidden[0], *self._targets(s, 0, self.plan.block(s, 0, length)))
-            self._push_frame(kv, length)
-            graph = (kv, lp, ent, aux) if self.train else None
+            self._push_frame(kv, length, states)
+            graph = (kv, states, lp, ent, aux) if self.train else None
             state = _SegmentState(self._grad_sink(lp), self._grad_sink(ent), 1, graph=graph)
             if self.train:
                 self.live += length
         else:
-            size = self.budgets.block_size
-            blocks = [(lo, min(lo + size, length)) for lo in range(0, length, size)]
+            blocks = block_bounds(length, self.budgets.block_size, min_block=2 if self.layout.hybrid else 1)
             lps, ents = [], []
             with torch.no_grad():
                 for lo, hi in blocks:
-                    hidden, kv, _ = self._forward(self.tokens[s][None, lo:hi], hi - lo, self._nodes(s, lo, hi))
+                    hidden, kv, states, _ = self._forward(self.tokens[s][None, lo:hi], hi - lo, self._nodes(s, lo, hi))
                     lp, ent = self._score(hidden[0], *self._targets(s, lo, self.plan.block(s, lo, hi)))
                     lps.append(lp)
                     ents.append(ent)
-                    self._push_frame(kv, hi - lo)
+                    self._push_frame(kv, hi - lo, states)
             ent = torch.cat(ents) if self.want_ent else None
             state = _SegmentState(self._grad_sink(torch.cat(lps)), self._grad_sink(ent), len(blocks), blocks=blocks)
         self.path.append(s)
@@ -297,30 +330,38 @@ class TreeWalk:
             return
         if state.graph is not None:
             frame = self.stack.pop()
-            kv, lp, ent, aux = state.graph
-            self._inject(frame, kv, (lp, state.out_lp.grad), (ent, None if ent is None else state.out_ent.grad),
-                         _unit(aux))
+            kv, states, lp, ent, aux = state.graph
+            self._inject(frame, kv, states, (lp, state.out_lp.grad),
+                         (ent, None if ent is None else state.out_ent.grad), _unit(aux))
             self.live -= self.tree.segments[s].length
             return
         for lo, hi in reversed(state.blocks):
             frame = self.stack.pop()
-            hidden, kv, aux = self._forward(self.tokens[s][None, lo:hi], hi - lo, self._nodes(s, lo, hi))
+            hidden, kv, states, aux = self._forward(self.tokens[s][None, lo:hi], hi - lo, self._nodes(s, lo, hi))
             block = self.plan.block(s, lo, hi)
             lp, ent = self._score(hidden[0], *self._targets(s, lo, block))
             self.stats["recomputed_tokens"] += hi - lo
             a, b = block.outputs
             g_lp = None if state.out_lp.grad is None else state.out_lp.grad[a:b]
             g_ent = None if ent is None or state.out_ent.grad is None else state.out_ent.grad[a:b]
-            self._inject(frame, kv, (lp, g_lp), (ent, g_ent), _unit(aux))
+            self._inject(frame, kv, states, (lp, g_lp), (ent, g_ent), _unit(aux))
 
-    def _inject(self, frame: Frame, kv, *outputs) -> None:
-        """Back-propagate a segment's graph with the gradients accumulated on its sinks."""
+    def _inject(self, frame: Frame, kv, states, *outputs) -> None:
+        """Back-propagate a segment's graph with the gradients accumulated on its sinks (keys/values, recurrent
+        states, scored outputs)."""
+        pairs = []
+        for t, k_sink, v_sink in zip(kv, frame.keys, frame.values):
+            if t is not None:
+                pairs += [(t[0], k_sink), (t[1], v_sink)]
+        if states is not None and frame.states is not None:
+            for layer_states, sinks in zip(states, frame.states):
+                if layer_states is not None:
+                    pairs += [(t, sink) for t, sink in zip(layer_states, sinks) if t is not None]
         tensors, grads = [], []
-        for (k, v), k_sink, v_sink in zip(kv, frame.keys, frame.values):
-            for t, sink in ((k, k_sink), (v, v_sink)):
-                if sink.grad is not None and t.requires_grad:  # e.g. frozen first-layer keys under LoRA
-                    tensors.append(t)
-                    grads.append(sink.grad.to(t.dtype))
+        for t, sink in pairs:
+            if sink.grad is not None and t.requires_grad:  # e.g. frozen first-layer keys under LoRA
+                tensors.append(t)
+                grads.append(sink.grad.to(t.dtype))
         for t, g in outputs:
             if t is not None and g is not None and t.requires_grad:
                 tensors.append(t)
@@ -340,7 +381,7 @@ class TreeWalk:
             nodes = torch.full(packed.ids.shape, -1, dtype=torch.long, device=self.device)  # (batch, width)
             for g, (b, col) in packed.columns.items():
                 nodes[b, col : col + segs[g].length] = self._nodes(g, 0, segs[g].length)[0]
-        hidden, _, aux = self._forward(packed.ids, packed.n_real, nodes, packed.positions, packed.key_end)
+        hidden, _, _, aux = self._forward(packed.ids, packed.n_real, nodes, packed.positions, packed.key_end)
         if aux is not None:
             self.pending = aux if self.pending is None else self.pending + aux
         # Score every segment's outputs in the standard layout: internal targets, then forks to scored children.

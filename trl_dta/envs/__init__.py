@@ -13,7 +13,8 @@ other. Everything runs offline with the tiny model of `trl_dta.tiny`:
 - `env`: `RetailDomain` (database, policy, tasks) and `RetailEnv` (one episode in text);
 - `rollout`: `play_episodes` (token ids, env mask, turn spans, reward per episode), `model_generate_fn` and
   `layout_sequences` (the episode and per-turn training sequences);
-- `trl_rollout`: `build_dataset`, `AgentRolloutFunc` (TRL's `rollout_func`) and `episode_reward`;
+- `trl_rollout`: `build_dataset`, `AgentRolloutFunc` (TRL's `rollout_func`), `episode_reward` and the shaped
+  rewards (`SHAPED_REWARDS`: well-formed turns, right tools, right arguments, outcome);
 - `tool_env`: `RetailToolEnv` for TRL's `environment_factory` (hub models with tool-calling templates; not run
   offline).
 """
@@ -23,9 +24,13 @@ from .protocol import Call, Say, parse_turn
 from .reward import RewardBreakdown
 from .rollout import Episode, Generation, Turn, layout_sequences, model_generate_fn, play_episodes
 from .tool_env import RetailToolEnv
-from .trl_rollout import AgentRolloutFunc, build_dataset, episode_reward
+from .trl_rollout import (
+    SHAPED_REWARDS, AgentRolloutFunc, arguments_reward, build_dataset, episode_reward, format_reward, outcome_reward,
+    tool_reward,
+)
 
 __all__ = [
+    "SHAPED_REWARDS",
     "AgentRolloutFunc",
     "Call",
     "Episode",
@@ -37,9 +42,13 @@ __all__ = [
     "Say",
     "Turn",
     "build_dataset",
+    "arguments_reward",
     "episode_reward",
+    "format_reward",
     "layout_sequences",
     "model_generate_fn",
+    "outcome_reward",
     "parse_turn",
     "play_episodes",
+    "tool_reward",
 ]

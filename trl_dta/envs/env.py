@@ -117,6 +117,7 @@ class RetailEnv:
         self._turns: list[str] = []
         self._said: list[str] = []
         self._executed: list[Call] = []
+        self._attempted: list[Call] = []
 
     def step(self, turn: str) -> tuple[str, str]:
         """Plays one agent turn.
@@ -150,6 +151,7 @@ class RetailEnv:
             if hung_up:
                 self.stop("user_stop")
             return USER, text
+        self._attempted.append(action)
         answer = run_tool(self.db, self.session, action.tool, action.kwargs)
         if not answer.startswith("error:"):
             self._executed.append(action)
@@ -164,7 +166,7 @@ class RetailEnv:
         twin.session = copy.deepcopy(self.session)
         twin.user = copy.copy(self.user)
         twin.messages, twin._turns = list(self.messages), list(self._turns)
-        twin._said, twin._executed = list(self._said), list(self._executed)
+        twin._said, twin._executed, twin._attempted = list(self._said), list(self._executed), list(self._attempted)
         return twin
 
     def stop(self, reason: str) -> None:
@@ -180,4 +182,4 @@ class RetailEnv:
     def reward(self) -> RewardBreakdown:
         """The episode's reward so far (see `envs.reward`); final once `done`."""
         return compute_reward(self.db, self._gold, self.task.required_info, self.task.gold_actions, self._turns,
-                              self._said, self._executed)
+                              self._said, self._executed, self._attempted)

@@ -21,6 +21,17 @@ $$
 Partial credit is at most `0.5` (reached only by a perfect-looking episode that broke the database), so any
 success outranks any failure; a failure that breaks the database (say by
 cancelling the wrong order) keeps its partial credit but can never succeed.
+
+Shaped rewards (the recipe's default, as TRL's several `reward_funcs`, `trl_rollout.SHAPED_REWARDS`) split the
+same path to success into signals a random tiny model meets early, each in `[0, 1]` and logged on its own:
+
+- `call_format`: well-formed tool calls, the mean over turns of `protocol.call_format_score` (a `say` turn 0.25, a
+  call 0.5 to 1.0 as its tool and parameter names are right, partial credit for starting with `call `);
+- `tools`: per gold action, the best share of its tool name that one of the agent's calls starts with (`find-u` for
+  `find-user` earns 6/9), averaged over the gold actions: [`tool_credit`];
+- `arguments`: the share of the gold calls' `key=value` pairs that some call of the same tool passed (attempted
+  calls count, successful or not): [`argument_credit`];
+- `success`: tau2's outcome, 0 or 1.
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .database import Database
-from .protocol import Call, protocol_score
+from .protocol import Call, _common_prefix, call_format_score, protocol_score
 
 PARTIAL_SCALE = 0.5
 PROTOCOL_WEIGHT, ACTIONS_WEIGHT, INFO_WEIGHT = 0.2, 0.5, 0.3
@@ -48,6 +59,9 @@ class RewardBreakdown:
         info (`float`): fraction of required information said.
         actions (`float`): fraction of gold actions executed without error.
         protocol (`float`): mean protocol score of the agent's turns (`0` without turns).
+        tools (`float`): [`tool_credit`] of the agent's calls.
+        arguments (`float`): [`argument_credit`] of the agent's calls.
+        call_format (`float`): the mean `protocol.call_format_score` of the agent's turns (`0` without turns).
     """
 
     reward: float
@@ -56,6 +70,9 @@ class RewardBreakdown:
     info: float
     actions: float
     protocol: float
+    tools: float = 0.0
+    arguments: float = 0.0
+    call_format: float = 0.0
 
 
 def info_said(required: Sequence[str], messages: Sequence[str]) -> float:
@@ -73,6 +90,25 @@ def actions_done(gold: Sequence[Call], executed: Sequence[Call]) -> float:
     return sum((Counter(gold) & Counter(executed)).values()) / len(gold)
 
 
+def tool_credit(gold: Sequence[tuple[str, dict]], called: Sequence[tuple[str, dict]]) -> float:
+    """Per gold call, the largest `common prefix / len(gold tool name)` over the tool names of `called` (the
+    agent's attempted calls, `(tool, arguments)`), averaged over `gold`; `1.0` without gold calls."""
+    if not gold:
+        return 1.0
+    return sum(max((_common_prefix(tool, name) / len(name) for tool, _ in called), default=0.0)
+               for name, _ in gold) / len(gold)
+
+
+def argument_credit(gold: Sequence[tuple[str, dict]], called: Sequence[tuple[str, dict]]) -> float:
+    """The share of the gold calls' `(tool, key, value)` triples that some call of `called` to that tool passed;
+    `1.0` when the gold calls take no arguments."""
+    wanted = [(name, key, str(value)) for name, args in gold for key, value in args.items()]
+    if not wanted:
+        return 1.0
+    passed = {(tool, key, str(value)) for tool, args in called for key, value in args.items()}
+    return sum(triple in passed for triple in wanted) / len(wanted)
+
+
 def compute_reward(
     final_db: Database,
     gold_db: Database,
@@ -81,6 +117,7 @@ def compute_reward(
     turns: Sequence[str],
     said: Sequence[str],
     executed: Sequence[Call],
+    attempted: Sequence[Call] = (),
 ) -> RewardBreakdown:
     """Scores one finished episode.
 
@@ -92,6 +129,7 @@ def compute_reward(
         turns (`Sequence[str]`): every agent turn as decoded.
         said (`Sequence[str]`): the agent's `say` messages.
         executed (`Sequence[Call]`): the agent's tool calls that returned without error.
+        attempted (`Sequence[Call]`, *optional*): every tool call the agent made (parsed), for the shaped credits.
 
     Returns:
         [`RewardBreakdown`].
@@ -102,4 +140,8 @@ def compute_reward(
     protocol = sum(map(protocol_score, turns)) / len(turns) if turns else 0.0
     success = db_match and info == 1.0
     partial = PARTIAL_SCALE * (PROTOCOL_WEIGHT * protocol + ACTIONS_WEIGHT * actions + INFO_WEIGHT * info)
-    return RewardBreakdown(1.0 if success else partial, success, db_match, info, actions, protocol)
+    gold = [(c.tool, c.kwargs) for c in gold_actions]
+    called = [(c.tool, c.kwargs) for c in attempted]
+    call_format = sum(map(call_format_score, turns)) / len(turns) if turns else 0.0
+    return RewardBreakdown(1.0 if success else partial, success, db_match, info, actions, protocol,
+                           tool_credit(gold, called), argument_credit(gold, called), call_format)

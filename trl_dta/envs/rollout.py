@@ -38,29 +38,17 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol, runtime_checkable
-
-import torch
-from transformers import GenerationConfig
+from typing import Protocol, runtime_checkable
 
 from .._checks import check_int
 from ..batch import SAMPLE_LAYOUTS
+from ..generation import GenerateFn, Generation, reprefill_generate_fn  # noqa: F401 (Generation re-exported)
 from .env import RetailDomain, RetailEnv
 from .protocol import render_reply
 from .reward import RewardBreakdown  # noqa: F401 (documented type of Episode.reward)
-
-
-class Generation(NamedTuple):
-    """One generated turn: its token ids and, if the generator has them, their sampling log-probs (same length)."""
-
-    ids: list[int]
-    logprobs: list[float] | None
-
-
-# (prefixes, max_new_tokens per prefix) -> one Generation per prefix, each with 1..max_new_tokens ids.
-GenerateFn = Callable[[list[list[int]], list[int]], list[Generation]]
 
 
 @runtime_checkable
@@ -129,6 +117,8 @@ class Episode:
         end_reason (`str`): `"user_stop"`, `"max_turns"` or `"max_tokens"`.
         reward: the episode's grade: a [`RewardBreakdown`] for the stand-in retail domain, tau2's `RewardInfo` for
             the tau2 domains (both have `.reward`).
+        shaped (`dict[str, float]`, *optional*): tau2 episodes: the shaped credits (`call_format`, `tools`,
+            `arguments`; the stand-in's are in its `RewardBreakdown`).
     """
 
     task_id: int | str
@@ -140,6 +130,7 @@ class Episode:
     messages: list[tuple[str, str]] = field(default_factory=list)
     end_reason: str = ""
     reward: object = None
+    shaped: dict | None = None
 
 
 def _append(episode: Episode, ids: Sequence[int], from_policy: bool, logprobs: Sequence[float] | None) -> None:
@@ -280,6 +271,7 @@ def play_episodes(
     max_tokens: int = 1024,
     branching: Sequence[int] | None = None,
     branch_turns: int = 1,
+    timings: dict | None = None,
 ) -> list[Episode]:
     """Plays `num_generations` episodes of every task of the stand-in retail domain with the policy behind `generate`
     (or, with `branching`, a tree of `prod(branching)` episodes per task, see the module docstring).
@@ -298,6 +290,7 @@ def play_episodes(
         max_tokens (`int`, *optional*, defaults to `1024`): tokens per episode, prompt included.
         branching (`Sequence[int]`, *optional*): tree rollouts: episodes per level (`num_generations` must be 1).
         branch_turns (`int`, *optional*, defaults to `1`): agent turns per level before each branch point.
+        timings (`dict`, *optional*): receives `"reward_s"`, the seconds spent grading.
 
     Returns:
         `list[Episode]`: `len(task_ids) * num_generations` episodes (`len(task_ids) * prod(branching)` with
@@ -319,9 +312,12 @@ def play_episodes(
             ids.append(domain.task(task_id).task_id)
     episodes, sessions = run_sessions(sessions, ids, generate, max_turn_tokens=max_turn_tokens, max_tokens=max_tokens,
                                       branching=branching, branch_turns=branch_turns)
+    start = time.perf_counter()
     for episode, session in zip(episodes, sessions):
         env = session.env
         episode.messages, episode.end_reason, episode.reward = list(env.messages), env.end_reason, env.reward()
+    if timings is not None:
+        timings["reward_s"] = time.perf_counter() - start
     return episodes
 
 
@@ -378,52 +374,7 @@ def layout_sequences(episodes: Sequence[Episode], layout: str) -> list[list[int]
 
 
 def model_generate_fn(model, tokenizer, generation_config=None, **generation_kwargs) -> GenerateFn:
-    """A [`GenerateFn`] that samples turns from a causal LM with `model.generate`, with sampling log-probs.
-
-    Prefixes are left-padded into one batch and sampled together; each row is cut after its first stop token (the
-    generation config's `eos_token_id`, one id or a list) and at its own budget. The log-probs are those of the
-    processed distribution the token was drawn from (after temperature, top-k, top-p), as vLLM's
-    `processed_logprobs`; they cost `(batch, new_tokens, vocab)` floats of scores while generating.
-
-    Args:
-        model ([`~transformers.PreTrainedModel`]): the policy (its mode is left as it is).
-        tokenizer: its tokenizer (pad and eos ids).
-        generation_config ([`~transformers.GenerationConfig`], *optional*): sampling settings, e.g. a TRL
-            trainer's `generation_config`. Defaults to plain sampling: temperature 1, no top-k, no top-p.
-        **generation_kwargs: overrides of the generation config (e.g. `temperature=0.7`).
-
-    Returns:
-        `GenerateFn`.
-    """
-    if generation_config is None:
-        generation_config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
-    base = copy.deepcopy(generation_config)
-    base.update(**generation_kwargs)
-    eos = tokenizer.eos_token_id if base.eos_token_id is None else base.eos_token_id
-    stop_ids = sorted(set(eos if isinstance(eos, (list, tuple)) else [eos]))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-    def generate(prefixes: list[list[int]], max_new_tokens: list[int]) -> list[Generation]:
-        device = model.device
-        width = max(map(len, prefixes))
-        input_ids = torch.full((len(prefixes), width), pad_id, dtype=torch.long, device=device)  # (batch, width)
-        attention_mask = torch.zeros_like(input_ids)  # (batch, width), left padding
-        for row, prefix in enumerate(prefixes):
-            input_ids[row, width - len(prefix):] = torch.tensor(prefix, device=device)
-            attention_mask[row, width - len(prefix):] = 1
-        config = copy.deepcopy(base)
-        config.update(max_new_tokens=max(max_new_tokens), eos_token_id=stop_ids, pad_token_id=pad_id,
-                      output_scores=True, return_dict_in_generate=True)
-        with torch.no_grad():
-            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
-        new_ids = out.sequences[:, width:]  # (batch, new_tokens)
-        scores = torch.stack(out.scores, dim=1).float()  # (batch, new_tokens, vocab), processed
-        logprobs = scores.log_softmax(-1).gather(-1, new_ids.unsqueeze(-1)).squeeze(-1)  # (batch, new_tokens)
-        generations = []
-        for row, budget in enumerate(max_new_tokens):
-            ids = new_ids[row, :budget].tolist()
-            end = next((k + 1 for k, token in enumerate(ids) if token in stop_ids), len(ids))
-            generations.append(Generation(ids[:end], logprobs[row, :end].tolist()))
-        return generations
-
-    return generate
+    """A [`GenerateFn`] that samples turns with `model.generate` on the whole prefixes (the re-prefill path, see
+    `trl_dta.generation.sampling`); [`~trl_dta.generation.CachedGenerate`] samples the same turns forwarding each
+    token once."""
+    return reprefill_generate_fn(model, tokenizer, generation_config, **generation_kwargs)

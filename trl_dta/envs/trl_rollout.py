@@ -18,6 +18,16 @@ one sample per turn. Generation uses the trainer's model through TRL's `unwrap_m
 trainer's sampling settings (`trainer.generation_config`: temperature, top-p, top-k, ...), with
 `max_completion_length` as the budget of each *turn* (64 fits every gold call of the retail domain).
 
+Generation reuses each episode's key/value cache between turns (`generation_cache=True`, the default:
+[`~trl_dta.generation.CachedGenerate`]): the system prompt and each task's opening are prefilled once per rollout
+and shared by the episodes' caches, and each turn forwards only the environment's reply and the sampled tokens; the
+sampled turns are those `model.generate` on the whole prefixes would sample (`generation_cache=False`, the re-prefill
+path). Logged next to TRL's metrics per rollout: `dta/rollout_tokens` (tokens of the rollout's episodes, each
+episode once at its final length), `dta/rollout_forward_tokens` (token positions the policy forwarded while
+generating, padding included), `dta/rollout_generation_s`, `dta/rollout_env_s` (tools, users) and
+`dta/rollout_reward_s` (the grader). TRL's own tool loop (`environment_factory=`, `RetailToolEnv`) generates with
+TRL's `generate` calls: no cache reuse there.
+
 An episode ends on an agent turn, so TRL's `mask_truncated_completions=True` drops every episode whose last turn did
 not end with the end-of-turn token (one cut by `max_completion_length` or by the episode's `max_tokens`). TRL's vLLM
 path is refused: its generation calls are collective over processes, and episodes of different lengths would make
@@ -26,13 +36,16 @@ them diverge; it cannot be tested offline either.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import time
 
 from datasets import Dataset
 
 from .._checks import check_bool, check_int
+from ..generation import CachedGenerate, count_forward_tokens, reprefill_generate_fn
 from .env import RetailDomain
-from .rollout import check_branching, check_copyable, episode_columns, model_generate_fn, play_episodes
+from .rollout import check_branching, check_copyable, episode_columns, play_episodes
 
 
 def build_dataset(
@@ -74,14 +87,17 @@ class AgentRolloutFunc:
             copied 4 times (environment included) after `branch_turns` turns. The product must equal the trainer's
             `num_generations`; the domain's environments must implement `copy()` (refused at construction otherwise).
         branch_turns (`int`, *optional*, defaults to `1`): agent turns per level before each branch point.
+        generation_cache (`bool`, *optional*, defaults to `True`): keep every episode's keys/values between turns
+            (see the module docstring); `False`: `model.generate` on every whole prefix.
 
-    Logs `dta/generated_tokens` (policy tokens sampled) and `dta/generated_tokens_independent` (the policy tokens of
+    Logs the rollout metrics of the module docstring, `dta/generated_tokens` (policy tokens sampled) and `dta/generated_tokens_independent` (the policy tokens of
     the returned episodes: what independent episodes would sample) next to TRL's metrics.
     """
 
     def __init__(self, domain: RetailDomain, *, max_turns: int = 8, max_tokens: int = 1024,
-                 branching: list[int] | None = None, branch_turns: int = 1):
+                 branching: list[int] | None = None, branch_turns: int = 1, generation_cache: bool = True):
         self.domain = domain
+        self.generation_cache = check_bool("generation_cache", generation_cache)
         self.max_turns = check_int("max_turns", max_turns, minimum=1)
         self.max_tokens = check_int("max_tokens", max_tokens, minimum=2)
         self.branching, self.branch_turns = check_branching(branching, branch_turns)
@@ -89,8 +105,6 @@ class AgentRolloutFunc:
             check_copyable(domain.episode(0, max_turns=self.max_turns))
 
     def __call__(self, prompts: list, trainer) -> dict[str, list]:
-        from trl.models.utils import unwrap_model_for_generation
-
         if trainer.use_vllm:
             raise ValueError(
                 "AgentRolloutFunc generates with the trainer's model; set `use_vllm=False` (vLLM's collective "
@@ -112,33 +126,102 @@ class AgentRolloutFunc:
                 )
             task_ids = task_ids[::group]
             tree = dict(branching=self.branching, branch_turns=self.branch_turns)
-        with unwrap_model_for_generation(
-            trainer.model_wrapped, trainer.accelerator, gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
-            generation_kwargs=trainer.generation_kwargs,
-            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
-        ) as model:
-            sample = model_generate_fn(model, trainer.processing_class, trainer.generation_config)
-            generated = [0]
-
-            def generate(prefixes, max_new_tokens):
-                outputs = sample(prefixes, max_new_tokens)
-                generated[0] += sum(len(g.ids) for g in outputs)
-                return outputs
-
-            episodes = play_episodes(self.domain, task_ids, generate, trainer.processing_class,
+        timings: dict = {}
+        with policy_generator(trainer, trainer.processing_class, self.generation_cache) as meter:
+            episodes = play_episodes(self.domain, task_ids, meter, trainer.processing_class,
                                      max_turns=self.max_turns, max_turn_tokens=trainer.max_completion_length,
-                                     max_tokens=self.max_tokens, **tree)
+                                     max_tokens=self.max_tokens, timings=timings, **tree)
+        metrics = meter.log(trainer, episodes, timings.get("reward_s", 0.0))
         # Policy tokens sampled vs the same episodes played independently (tree rollouts share their first turns).
-        metrics = trainer._metrics["train" if trainer.model.training else "eval"]
-        metrics["dta/generated_tokens"].append(float(generated[0]))
+        metrics["dta/generated_tokens"].append(float(meter.generated))
         metrics["dta/generated_tokens_independent"].append(float(sum(sum(e.env_mask) for e in episodes)))
         return episode_columns(episodes, episode_reward=[e.reward.reward for e in episodes],
-                               success=[e.reward.success for e in episodes])
+                               success=[e.reward.success for e in episodes],
+                               **{key: [getattr(e.reward, key) for e in episodes] for key in _SHAPED_KEYS})
 
 
-def episode_reward(completions: list, episode_reward: list[float], **kwargs) -> list[float]:
+class RolloutMeter:
+    """The policy's [`~trl_dta.generation.GenerateFn`] for one rollout, timed and counted (see [`policy_generator`]).
+
+    Attributes:
+        generated (`int`): tokens sampled; forward_tokens (`list[int]`): one element, positions forwarded;
+        generation_s (`float`): seconds in the policy's calls; start (`float`): `time.perf_counter()` at the start.
+    """
+
+    def __init__(self, generate, forward_tokens: list[int]):
+        self.generate, self.forward_tokens = generate, forward_tokens
+        self.generated, self.generation_s, self.start = 0, 0.0, time.perf_counter()
+
+    def __call__(self, prefixes, max_new_tokens):
+        start = time.perf_counter()
+        outputs = self.generate(prefixes, max_new_tokens)
+        self.generation_s += time.perf_counter() - start
+        self.generated += sum(len(g.ids) for g in outputs)
+        return outputs
+
+    def log(self, trainer, episodes, reward_s: float):
+        """Appends the rollout metrics (module docstring) to the trainer's metrics of its mode; returns them."""
+        metrics = trainer._metrics["train" if trainer.model.training else "eval"]
+        total = time.perf_counter() - self.start
+        metrics["dta/rollout_tokens"].append(float(sum(len(e.ids) for e in episodes)))
+        metrics["dta/rollout_forward_tokens"].append(float(self.forward_tokens[0]))
+        metrics["dta/rollout_generation_s"].append(self.generation_s)
+        metrics["dta/rollout_reward_s"].append(reward_s)
+        metrics["dta/rollout_env_s"].append(max(0.0, total - self.generation_s - reward_s))
+        return metrics
+
+
+@contextlib.contextmanager
+def policy_generator(trainer, tokenizer, generation_cache: bool):
+    """The trainer's model, unwrapped for generation as TRL does, as a [`RolloutMeter`] over
+    [`~trl_dta.generation.CachedGenerate`] (or the re-prefill path) with the trainer's sampling settings."""
+    from trl.models.utils import unwrap_model_for_generation
+
+    with unwrap_model_for_generation(
+        trainer.model_wrapped, trainer.accelerator, gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+        generation_kwargs=trainer.generation_kwargs,
+        gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
+    ) as model, count_forward_tokens(model) as forwarded:
+        if generation_cache:
+            generate = CachedGenerate(model, tokenizer, trainer.generation_config)
+        else:
+            generate = reprefill_generate_fn(model, tokenizer, trainer.generation_config)
+        yield RolloutMeter(generate, forwarded)
+
+
+def _column(name: str, completions: list, values: list | None) -> list[float]:
+    if values is None or len(values) != len(completions):
+        raise ValueError(f"got {len(completions)} completions but {0 if values is None else len(values)} values of "
+                         f"`{name}`; use this reward function together with `AgentRolloutFunc` (or `Tau2RolloutFunc`).")
+    return [float(v) for v in values]
+
+
+def episode_reward(completions: list, episode_reward: list[float] | None = None, **kwargs) -> list[float]:
     """TRL reward function: the reward each episode earned (the `episode_reward` key of [`AgentRolloutFunc`])."""
-    if len(episode_reward) != len(completions):
-        raise ValueError(f"got {len(completions)} completions but {len(episode_reward)} episode rewards; use "
-                         "`episode_reward` together with `AgentRolloutFunc`.")
-    return [float(r) for r in episode_reward]
+    return _column("episode_reward", completions, episode_reward)
+
+
+def format_reward(completions: list, call_format: list[float] | None = None, **kwargs) -> list[float]:
+    """Shaped reward: well-formed tool calls (the mean call format of the episode's turns, `envs.reward`)."""
+    return _column("call_format", completions, call_format)
+
+
+def tool_reward(completions: list, tools: list[float] | None = None, **kwargs) -> list[float]:
+    """Shaped reward: the right tools (`envs.reward.tool_credit`: how much of each gold tool's name a call named)."""
+    return _column("tools", completions, tools)
+
+
+def arguments_reward(completions: list, arguments: list[float] | None = None, **kwargs) -> list[float]:
+    """Shaped reward: the right arguments (`envs.reward.argument_credit`)."""
+    return _column("arguments", completions, arguments)
+
+
+def outcome_reward(completions: list, success: list | None = None, **kwargs) -> list[float]:
+    """The task's outcome: 1 when tau2's criterion holds (database and information), else 0."""
+    return _column("success", completions, success)
+
+
+_SHAPED_KEYS = ("call_format", "tools", "arguments")
+# TRL's `reward_funcs` and `reward_weights` of the shaped reward: weights sum to 1, so TRL's logged `reward` (their
+# weighted sum) is on a 0-1 scale, and each function's mean is logged as `rewards/<name>/mean`.
+SHAPED_REWARDS = ([format_reward, tool_reward, arguments_reward, outcome_reward], [0.4, 0.3, 0.2, 0.1])

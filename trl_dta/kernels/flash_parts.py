@@ -111,7 +111,7 @@ def _supports(query, key, mask: PartMask, softcap) -> bool:
     # Without key_end the own part is causal rows, whose positions are consecutive: flash's column window is exact.
     # A windowed path part (positions of folded queries) has no flash form.
     return (query.dtype in (torch.float16, torch.bfloat16) and dim % 8 == 0 and dim <= 256
-            and mask.key_end is None and causal_ok
+            and mask.key_end is None and mask.key_length is None and causal_ok
             and (mask.window is None or mask.causal))
 
 

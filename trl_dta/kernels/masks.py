@@ -40,6 +40,8 @@ class PartMask:
         q_pos (`torch.LongTensor` of shape `(batch or 1, query_len)`, *optional*): query positions, with `window`.
         k_pos (`torch.LongTensor` of shape `(batch or 1, key_len)`, *optional*): key positions, with `window`.
         window (`int`, *optional*): sliding window, `k_pos[j] > q_pos[i] - window`.
+        key_length (`torch.LongTensor` of shape `(batch,)`, *optional*): key padding, `j < key_length[b]` (rows whose
+            keys are right-padded to a common width, as the generation cache's rows are).
     """
 
     causal: bool = False
@@ -47,17 +49,22 @@ class PartMask:
     q_pos: torch.Tensor | None = None
     k_pos: torch.Tensor | None = None
     window: int | None = None
+    key_length: torch.Tensor | None = None
 
     @property
     def plain(self) -> bool:
         """True when the mask is all-visible or plain causal (no per-token data)."""
-        return self.key_end is None and self.window is None
+        return self.key_end is None and self.window is None and self.key_length is None
 
     def dense(self, q_len: int, k_len: int, device) -> torch.Tensor:
-        """The boolean mask (True = visible), `(batch or 1, 1, q_len, k_len)`."""
+        """The boolean mask (True = visible), `(batch or 1, 1, q_len or 1, k_len)`: the query dimension is 1 when no
+        condition depends on the query (key padding alone), and broadcasts."""
         q_idx = torch.arange(q_len, device=device)[:, None]  # (Lq, 1)
         k_idx = torch.arange(k_len, device=device)[None, :]  # (1, Lk)
-        visible = torch.ones(1, 1, q_len, k_len, dtype=torch.bool, device=device)
+        per_query = self.causal or self.key_end is not None or self.window is not None
+        visible = torch.ones(1, 1, q_len if per_query else 1, k_len, dtype=torch.bool, device=device)
+        if self.key_length is not None:
+            visible = visible & (k_idx < self.key_length[:, None, None, None])  # (B, 1, Lq|1, Lk)
         if self.causal:
             visible = visible & (k_idx <= q_idx)
         if self.key_end is not None:

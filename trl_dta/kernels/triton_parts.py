@@ -337,10 +337,10 @@ def triton_backward(grad_out, query, key, value, out, lse, aux, mask: PartMask, 
 
 def _supports(query, key, mask: PartMask, softcap) -> bool:
     # The interpreter (`TRITON_INTERPRET=1`, CPU) computes with numpy, which has no bfloat16: half precision there gives
-    # garbage. Compiled (CUDA), only half precision runs here (see the module docstring). Other parts go to the next
-    # kernel of the backend's chain.
+    # garbage. Compiled (CUDA), only half precision runs here (see the module docstring). Other parts (and key padding,
+    # `key_length`) go to the next kernel of the backend's chain.
     dtypes = (torch.float64, torch.float32) if _interpreted() else (torch.float16, torch.bfloat16)
-    return query.dtype in dtypes and query.shape[-1] <= MAX_HEAD_DIM
+    return query.dtype in dtypes and query.shape[-1] <= MAX_HEAD_DIM and mask.key_length is None
 
 
 TRITON = PartKernel("triton", available=lambda device: True, supports=_supports, forward=triton_forward,

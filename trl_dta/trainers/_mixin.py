@@ -94,6 +94,14 @@ class _MicroStep:
     aux_loss: torch.Tensor | None = None
 
 
+def _as_trl_head_output(values: torch.Tensor | None) -> torch.Tensor | None:
+    """Per-token log-probs or entropies `(B, T)` in the dtype TRL's fused LM head gives `_compute_loss`: float32
+    whatever the model's dtype (`trl.kernels.ChunkedLogProbFunction` keeps its statistics in float32). The engine's
+    are float64 in a float64 model; TRL's loss then compares them with thresholds it rounds to float32 (the entropy
+    quantile), so they are rounded as TRL's would be. Differentiable: gradients flow back through the cast."""
+    return values if values is None or values.dtype == torch.float32 else values.float()
+
+
 def _peak_memory_mb(device: torch.device) -> float:
     """Peak allocated memory since the last reset on a CUDA device; the process's peak resident set elsewhere."""
     if device.type == "cuda":
@@ -183,7 +191,12 @@ class DTATrainerMixin:
             )
         _checks.check_no_dropout(model, f"Set `disable_dropout=True`, {_OFF}", training_only=False)
         HeadSpec.from_model(model.get_base_model() if is_peft_model(model) else model)
-        self._dta_engine(model)
+        if self._dta_engine(model).layout.hybrid and getattr(self._dta_parallel, "lockstep", False):
+            raise ValueError(
+                "dta_fsdp_schedule='layer' runs packed subtree rows in lockstep across the ranks, which the recurrent "
+                "layers of this hybrid model cannot run exactly (a recurrence cannot follow a tree mask). Use "
+                f"dta_fsdp_schedule='window' (the default), {_OFF}"
+            )
         self._dta_cost_model = CostModel(hidden_size=model.config.get_text_config().hidden_size)
         if self._dta.dta_group_shuffle:
             reason = regrouping_changes(self, across_ranks=False)
@@ -280,6 +293,7 @@ class DTATrainerMixin:
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
         if self._dta_replay_values is not None:
             logps, entropies, aux_loss = self._dta_replay_values
+            logps, entropies = _as_trl_head_output(logps), _as_trl_head_output(entropies)
             return logps, entropies if compute_entropy else None, aux_loss if compute_aux_loss else None
         args = (model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss)
         if not self._dta.dta_enabled:
@@ -314,8 +328,8 @@ class DTATrainerMixin:
             with self.accelerator.autocast(), self._dta_parallel.engine_call(engine, model, False):
                 out = engine.logprobs(tree, temperature=self.temperature, entropy=compute_entropy,
                                       n_scored=layout.lengths, router_loss=router_loss)
-            logps = layout.gather(out.logps, input_ids.device)
-            entropies = layout.gather(out.entropies, input_ids.device) if compute_entropy else None
+            logps = _as_trl_head_output(layout.gather(out.logps, input_ids.device))
+            entropies = _as_trl_head_output(layout.gather(out.entropies, input_ids.device)) if compute_entropy else None
             aux_loss = out.router_aux.mean().to(input_ids.device, torch.float32) if compute_aux_loss else None
             return logps, entropies, aux_loss
         return super()._get_per_token_logps_and_entropies(

@@ -18,6 +18,7 @@ from trl import GRPOConfig, RLOOConfig
 from .._checks import check_bool, check_choice, check_float, check_int, warn_once
 from ..kernels import BACKENDS
 from .layouts import SAMPLE_LAYOUTS
+from .tree_advantages import ADVANTAGES, PER_TOKEN
 
 
 # The TRL minor versions the equivalence tests (`tests/trainers/`) run against. The trainers override TRL private
@@ -192,10 +193,12 @@ class DTAArguments:
         metadata={
             "help": "Opt-in tree rollouts (`DTAGRPOTrainer`, transformers generation): children per level of each "
             "prompt's sampling tree, e.g. `[4, 2]` (`--dta_tree_branching 4 2`): 4 first segments, each continued "
-            "twice; the product must equal `num_generations`. Shared segments are generated once (their key/value "
-            "cache copied to the children) and trained once by DTA. Each completion is a sample of the policy, but "
-            "the completions of a prompt are correlated (see `trl_dta.trainers.tree_rollouts`). Applies with "
-            "`dta_enabled=False` too. `None` samples the completions independently, as TRL does."
+            "twice; the product must equal `num_generations`, and a multi-level tree needs at least 2 first "
+            "segments. Shared segments are generated once (their keys/values held once, continued by the children) "
+            "and trained once by DTA. Each completion has the same distribution as TRL's completions, but the completions of a "
+            "prompt are correlated, which changes what TRL's group advantage teaches each level (see "
+            "`dta_tree_advantage`). Applies with `dta_enabled=False` too. `None` samples the completions "
+            "independently, as TRL does."
         },
     )
     dta_tree_segment_length: int | None = field(
@@ -210,9 +213,17 @@ class DTAArguments:
     dta_tree_advantage: str = field(
         default="group",
         metadata={
-            "help": "Advantages of tree rollouts: 'group' (TRL's own advantage of each completion over its group; the "
-            "objective is TRL's) or 'tree' (per-token: each segment gets its node's value minus its parent's, a "
-            "node's value being the mean advantage of the completions below it, as in TreeRL/TreePO)."
+            "help": "Advantages of tree rollouts (`trl_dta.trainers.tree_advantages`, each mode's expected gradient "
+            "per level there). 'group': TRL's own advantage of each completion over its group (the objective is "
+            "TRL's, but a segment shared by `m` of the `G` completions gets `(G - m) / G` of its expected gradient "
+            "instead of `(G - 1) / G`). 'unbiased': per segment, the completion's advantage minus the mean of the "
+            "completions outside the segment's subtree, times `(G - 1) / G`: every level gets TRL's `(G - 1) / G` "
+            "of the policy gradient, as independent samples do. 'tree': per segment, its node's value minus its "
+            "parent's (node value = mean advantage below it; closest to SPO-tree), `(b - 1) / b` on a level of `b` "
+            "children. 'treepo': TreePO's per-completion size-weighted mean over its ancestor subgroups. 'treerl': "
+            "TreeRL's per segment (global + local advantage of leave-one-out values) / sqrt(completions below). "
+            "'unbiased', 'tree' and 'treerl' are per token: they need `importance_sampling_level='token'`, no "
+            "`off_policy_mask_threshold` and a loss type other than 'vespo'."
         },
     )
 
@@ -255,7 +266,7 @@ class DTAArguments:
             self.dta_tree_branching = branching
         self.dta_tree_segment_length = check_int("dta_tree_segment_length", self.dta_tree_segment_length, minimum=1,
                                                  allow_none=True, hint="completion tokens per segment")
-        check_choice("dta_tree_advantage", self.dta_tree_advantage, ("group", "tree"))
+        check_choice("dta_tree_advantage", self.dta_tree_advantage, ADVANTAGES)
 
     @classmethod
     def from_config(cls, args) -> DTAArguments:
@@ -345,17 +356,50 @@ def check_tree_args(args) -> None:
         "here); use transformers generation (`use_vllm=False`)",
         "use_transformers_continuous_batching": "continuous batching schedules rows itself; use "
         "`use_transformers_continuous_batching=False`",
-        "cache_implementation": "tree rollouts copy a `DynamicCache` per child; leave `cache_implementation=None`",
+        "cache_implementation": "tree rollouts sample over their own generation cache; leave "
+        "`cache_implementation=None`",
     }
     for name, why in refused.items():
         if getattr(args, name, None):
             raise ValueError(f"`dta_tree_branching` cannot be combined with `{name}={getattr(args, name)!r}`: {why}, "
                              f"{off}")
-    if args.dta_tree_advantage == "tree" and args.dta_sample_layout == "per_turn":
+    if len(branching) > 1 and branching[0] == 1:
         raise ValueError(
-            "`dta_tree_advantage='tree'` gives single-turn completions per-token advantages; "
-            "`dta_sample_layout='per_turn'` is for multi-turn episodes. Keep `dta_sample_layout='episode'`."
+            f"`dta_tree_branching={branching}` samples one first segment for all {args.num_generations} completions: "
+            "it is in every completion's baseline, so its expected gradient is zero under every `dta_tree_advantage`. "
+            f"Branch the first level at least twice (e.g. `{[2, *branching[1:]]}` with `num_generations` to match), "
+            f"{off}"
         )
+    mode = args.dta_tree_advantage
+    if mode == "tree" and 1 in branching:
+        raise ValueError(
+            f"`dta_tree_advantage='tree'` compares a node with its siblings, so a level of one child "
+            f"(`dta_tree_branching={branching}`) gets exactly zero advantage and is never trained. Use at least 2 "
+            "children per level, or `dta_tree_advantage='unbiased'`, which has a baseline for every level."
+        )
+    if mode != "group" and args.dta_sample_layout == "per_turn":
+        raise ValueError(
+            f"`dta_tree_advantage={mode!r}` credits the segments of single-turn trees; "
+            "`dta_sample_layout='per_turn'` is for multi-turn episodes. Keep `dta_sample_layout='episode'`, or "
+            "`dta_tree_advantage='group'`."
+        )
+    if mode in PER_TOKEN:
+        per_sequence = "use `dta_tree_advantage='group'` or 'treepo' (one advantage per completion)"
+        if args.importance_sampling_level != "token":
+            raise ValueError(
+                f"`dta_tree_advantage={mode!r}` gives each token its segment's advantage, but "
+                f"`importance_sampling_level={args.importance_sampling_level!r}` (GSPO, LUSPO) weighs a completion by "
+                "one ratio, so its gradient mixes the segments' advantages into their mean over the completion. Set "
+                f"`importance_sampling_level='token'`, or {per_sequence}."
+            )
+        if args.loss_type == "vespo" or args.off_policy_mask_threshold is not None:
+            what = ("`loss_type='vespo'` picks its weights by the advantage's sign" if args.loss_type == "vespo"
+                    else "`off_policy_mask_threshold` masks by the advantage's sign")
+            raise ValueError(
+                f"`dta_tree_advantage={mode!r}` gives each token its segment's advantage, but {what}, which TRL "
+                f"decides per completion; with per-token advantages it would decide per token. Choose another "
+                f"`loss_type` / `off_policy_mask_threshold=None`, or {per_sequence}."
+            )
 
 
 @dataclass

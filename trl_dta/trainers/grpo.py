@@ -21,8 +21,9 @@ class DTAGRPOTrainer(DTATrainerMixin, GRPOTrainer):
     `compute_loss` (the policy loss of an optimizer step's micro-batches through one `DTAEngine.forward_backward`)
     and `training_step` (the accumulation window; one gradient reduction per window with several processes); with
     `dta_tree_branching` also `_generate_single_turn` (each prompt's completions sampled as a tree, shared segments
-    generated once: `tree_rollouts.py`) and, for `dta_tree_advantage="tree"`, `_generate_and_score_completions`
-    (per-token tree advantages after TRL's scoring).
+    generated once: `tree_rollouts.py`), `_calculate_rewards` (to note the rows TRL could score) and, for a
+    `dta_tree_advantage` other than `"group"`, `_generate_and_score_completions` (the tree advantages after TRL's
+    scoring: `tree_advantages.py`).
 
     Every `loss_type` (grpo, bnpo, dr_grpo, dapo, luspo, cispo, sapo, vespo), token- and sequence-level importance
     sampling, `beta > 0` (reference model or adapter-disabled PEFT reference), `num_iterations`,
@@ -69,10 +70,17 @@ class DTAGRPOTrainer(DTATrainerMixin, GRPOTrainer):
                                                  has_tool_images=has_tool_images)
         return self._dta_trees.generate(self, prompt_ids, num_generations)
 
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's; tree rollouts note which rows it could score (their advantage modes leave those rows out)."""
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if self._dta_trees is not None:
+            self._dta_trees.observe_rewards(rewards_per_func)
+        return rewards_per_func
+
     def _generate_and_score_completions(self, inputs):
-        """TRL's, with per-token tree advantages when `dta_tree_advantage="tree"`."""
+        """TRL's, with the advantages of `dta_tree_advantage` (other than `"group"`) after TRL's scoring."""
         output = super()._generate_and_score_completions(inputs)
-        return output if self._dta_trees is None else self._dta_trees.score(output)
+        return output if self._dta_trees is None else self._dta_trees.score(self, output)
 
     def _dta_sequence_loss(self, inputs: dict, scale: float):
         if self.top_entropy_quantile < 1.0:

@@ -55,11 +55,13 @@ def replay_sample(tasks: list) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["airline", "retail"])
+@pytest.mark.parametrize("name", ["airline", "retail", "telecom"])
 def test_gold_replay_reaches_reward_one(name, chat_tokenizer):
+    """Gold replay scores 1 from tau2's evaluator; in telecom the scripted user does the user's own gold actions
+    (the phone's) when the gold replay asks for them."""
     domain = get_domain(name)
     tasks = [t for t in domain.tasks if _offline_checkable(t)]
-    assert len(tasks) == len(domain.tasks) == {"airline": 50, "retail": 114}[name]
+    assert len(tasks) == len(domain.tasks) == {"airline": 50, "retail": 114, "telecom": 114}[name]
     sample = replay_sample(tasks)
     assert len(sample) >= len(tasks) / REPLAY_STRIDE
     failed = {}
@@ -133,3 +135,36 @@ def test_scripted_user_is_deterministic_and_stops(airline):
     assert ScriptedUser(task).reply("Shall I proceed with the booking?") == ("Yes, please go ahead.", False)
     openings = {ScriptedUser(task, seed=s).opening for s in range(8)}
     assert len(openings) >= 1
+
+
+def test_copied_databases_grade_as_tau2s_own(mock, retail, chat_tokenizer):
+    """Environments built from the copied database (`CopyingConstructor`) hold tau2's database (same hash), do not
+    share state (a write in one leaves the next pristine), and tau2's evaluator grades an episode with them exactly
+    as with tau2's own constructor (gold: 1, gold without its write: 0, reward breakdowns equal)."""
+    from datetime import datetime, timezone
+
+    from trl_dta.envs.tau2 import tau2_modules
+
+    t = tau2_modules()
+    for domain in (mock, retail):
+        stock = t.registry.get_env_constructor(domain.name)()
+        fresh = domain.env_constructor()
+        assert fresh.get_db_hash() == stock.get_db_hash()
+        task = next(t for t in domain.tasks if any(a.name.startswith(("create", "update", "cancel", "modify", "return"))
+                                                   for a in t.evaluation_criteria.actions or []))
+        episode = play(domain, task, chat_tokenizer, domain.gold_turns(task))
+        assert episode.reward.reward == 1.0
+        assert domain.env_constructor().get_db_hash() == stock.get_db_hash()  # the episode's writes stayed its own
+        for turns in (domain.gold_turns(task), domain.gold_turns(task)[1:]):
+            session = Tau2Session(domain, task.id, renderer_for(domain, chat_tokenizer))
+            policy = ScriptedPolicy(chat_tokenizer, {tuple(session.prompt_ids): list(turns)})
+            while not session.done:
+                session.step(policy([session.prompt_ids], [10**5])[0].ids)
+            now = datetime.now(timezone.utc).isoformat()
+            run = t.simulation.SimulationRun(id="x", task_id=task.id, start_time=now, end_time=now, duration=0.0,
+                                             termination_reason="user_stop", messages=list(session.trajectory))
+            ours = session.reward()
+            theirs = t.evaluator.evaluate_simulation(simulation=run, task=task, domain=domain.name, solo_mode=False,
+                                                     evaluation_type=t.evaluator.EvaluationType.ALL)
+            assert (ours.reward, ours.reward_breakdown, ours.db_check) == (theirs.reward, theirs.reward_breakdown,
+                                                                          theirs.db_check)

@@ -1,8 +1,12 @@
-"""`trl-dta analyze` on a tau2-bench results file (tau2's `Results` JSON, made here from real airline tasks)."""
+"""`trl-dta analyze` on tau2-bench results files built with tau2's own classes (`Results`, `SimulationRun`, messages)
+from real airline tasks: a good file (what was read printed, the greeting not a policy turn) and each broken kind tau2
+itself rejects (a clear one-line error naming the file, the format and the field; exit status 2)."""
 
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from trl_dta import cli
 from trl_dta.envs.tau2 import Tau2Session, tau2_modules
@@ -45,6 +49,7 @@ def _trajectory(domain, tokenizer, renderer, task_id, script):
 
 
 def test_analyze_reads_tau2_results(tmp_path, airline, chat_tokenizer, capsys):
+    """Counts printed, trials grouped by task, tau2's greeting neither a per-turn row nor trained."""
     tasks = [t.id for t in airline.tasks[:3]]
     path = tmp_path / "results.json"
     write_results(airline, chat_tokenizer, tasks, path)
@@ -53,11 +58,14 @@ def test_analyze_reads_tau2_results(tmp_path, airline, chat_tokenizer, capsys):
     data = json.loads(path.read_text())
     assert {"info", "tasks", "simulations"} <= set(data)
     assert cli.main(["analyze", str(path), "--tokenizer", str(tokdir), "--json", "--num-processes", "1"]) == 0
-    result = json.loads(capsys.readouterr().out)
+    out = capsys.readouterr()
+    result = json.loads(out.out)
+    assert out.err.startswith("tau2 results: domain airline, 3 tasks, 6 simulations; groups (the trials of a task): 3 "
+                              "(3 of 2 trials)")
     assistant_turns = sum(1 for sim in data["simulations"] for m in sim["messages"]
                           if m["role"] == "assistant") - len(data["simulations"])  # minus the greetings
     assert result["episode"]["sequences"] == len(tasks) * TRIALS
-    assert result["per_turn"]["sequences"] == assistant_turns + len(data["simulations"])
+    assert result["per_turn"]["sequences"] == assistant_turns  # the greeting is context, not a turn
     # every conversation starts with the same ~20K-token system prompt and tool schemas: both layouts share it
     assert result["episode"]["compression_ratio"] > 2.0
     assert result["per_turn"]["compression_ratio"] > result["episode"]["compression_ratio"]
@@ -68,3 +76,57 @@ def test_analyze_reads_tau2_results(tmp_path, airline, chat_tokenizer, capsys):
     two = json.loads(capsys.readouterr().out)
     assert two["episode"]["balance"]["whole_groups"] is True
     assert cli.main(["analyze", str(path), "--tokenizer", str(tokdir), "--num-processes", "2", "--batch-size", "3"]) == 2
+
+
+def _broken(path, data: dict, kind: str) -> None:
+    """`data` (a valid results file's JSON) broken as `kind`, written to `path`."""
+    text = json.dumps(data)
+    sim = data["simulations"][0]
+    if kind == "truncated":
+        path.write_text(text[: len(text) // 2])
+        return
+    if kind == "no_simulations":
+        del data["simulations"]
+    elif kind == "unknown_role":
+        sim["messages"][1]["role"] = "robot"
+    elif kind == "arguments_not_an_object":
+        call = next(m for s in data["simulations"] for m in s["messages"] if m.get("tool_calls"))
+        call["tool_calls"][0]["arguments"] = "not a dict"
+    path.write_text(json.dumps(data))
+
+
+@pytest.fixture(scope="module")
+def one_task_results(tmp_path_factory, airline, chat_tokenizer) -> dict:
+    path = tmp_path_factory.mktemp("tau2_results") / "results.json"
+    task = next(t for t in airline.tasks if any(a.requestor == "assistant" for a in t.evaluation_criteria.actions or []))
+    write_results(airline, chat_tokenizer, [task.id], path)
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("truncated", "not valid JSON"),
+    ("no_simulations", "field simulations: Field required"),
+    ("unknown_role", "field simulations.0.messages.1.role: 'robot' is not one of tau2's message roles"),
+    ("arguments_not_an_object", "arguments: Input should be a valid dictionary"),
+])
+def test_files_tau2_rejects_give_one_line_errors(tmp_path, one_task_results, capsys, kind, message):
+    path = tmp_path / "results.json"
+    _broken(path, json.loads(json.dumps(one_task_results)), kind)
+    assert cli.main(["analyze", str(path), "--tokenizer", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "results.json" in err and message in err, err
+    assert "tau2 results" in err and "Traceback" not in err
+
+
+def test_help_and_offline_tokenizer(tmp_path, capsys, monkeypatch):
+    """`--help` names the tau2 format; a hub name that is neither a folder nor cached fails at once offline, naming a
+    local alternative."""
+    assert cli.main(["analyze", "--help"]) == 0
+    assert "tau2-bench results" in capsys.readouterr().out
+    rows = tmp_path / "chats.jsonl"
+    rows.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "hello"}]}) + "\n")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert cli.main(["analyze", str(rows), "--tokenizer", "no-such-org/no-such-tokenizer"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be reached" in err and "build_chat_tokenizer().save_pretrained" in err

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from trl_dta import DTAGRPOConfig
 from trl_dta.envs.tau2 import ScriptedUser, Tau2Domain, Tau2RolloutFunc, build_tau2_dataset, tau2_modules
 
 
@@ -36,17 +37,30 @@ def test_splits_and_bad_arguments(airline):
         airline.task("999")
 
 
-def test_recipe_builds_the_tau2_workload(mock):
+def test_recipe_builds_the_tau2_workload(mock, chat_tokenizer, tmp_path):
+    """The recipe's tau2 workload: tau2's reward by default, the shaped rewards opt-in, the episode budget derived from
+    the longest prompt and the turns, what it prints; a bad domain is refused in one line."""
     sys.path.insert(0, "recipes")
     try:
-        from agent import AgentScriptArguments, build_agent_workload
+        from agent import AgentScriptArguments, build_workload, check_script_args, describe
     finally:
         sys.path.remove("recipes")
-    dataset, rollout, reward = build_agent_workload(AgentScriptArguments(agent_domain="mock", agent_num_tasks=3), 0)
-    assert isinstance(rollout, Tau2RolloutFunc) and reward.__name__ == "tau2_reward"
-    assert dataset["task_id"] == mock.task_ids[:3]
-    with pytest.raises(ValueError, match="agent_domain"):
-        build_agent_workload(AgentScriptArguments(agent_domain="banking"), 0)
+    training = DTAGRPOConfig(output_dir=str(tmp_path), max_completion_length=64, use_cpu=True, bf16=False)
+    args = AgentScriptArguments(agent_domain="mock", agent_num_tasks=3, agent_max_turns=2, agent_reply_tokens=100)
+    workload = build_workload(args, training, chat_tokenizer)
+    assert isinstance(workload.rollout, Tau2RolloutFunc) and workload.reward_weights is None
+    assert [f.__name__ for f in workload.reward_funcs] == ["tau2_reward"]
+    assert workload.dataset["task_id"] == mock.task_ids[:3]
+    info = workload.info
+    assert info["tools"] == 4 and info["num_tasks"] == 3 and info["max_tokens"] == info["prompt_tokens"][1] + 2 * 164
+    assert 2000 < info["system_prompt_tokens"] < info["prompt_tokens"][0]  # the system prompt and every tool schema
+    assert "mock (tau2-bench" in describe(info, training, workload.reward_funcs)
+    shaped = build_workload(AgentScriptArguments(agent_domain="mock", agent_num_tasks=3, agent_reward="shaped"),
+                            training, chat_tokenizer)
+    assert [f.__name__ for f in shaped.reward_funcs] == ["format_reward", "tool_reward", "arguments_reward",
+                                                         "outcome_reward"] and sum(shaped.reward_weights) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="--agent_domain must be one of standin, airline"):
+        check_script_args(AgentScriptArguments(agent_domain="banking"))
 
 
 def test_missing_tau2_names_the_extra(monkeypatch):

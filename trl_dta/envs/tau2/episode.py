@@ -20,11 +20,14 @@ is graded; `"max_turns"` and `"max_tokens"` are tau2's `max_steps`, which scores
 
 from __future__ import annotations
 
+import copy
+import time
 from collections.abc import Sequence
 
 from ..._checks import check_int
 from ..chat import ChatRenderer
-from ..rollout import Episode, GenerateFn, run_sessions
+from ..reward import argument_credit, tool_credit
+from ..rollout import Episode, GenerateFn, check_branching, check_copyable, run_sessions
 from ._seam import tau2_modules
 from .domain import Tau2Domain, call_tool, chat_tool_message, tau2_assistant_message
 from .user import ScriptedUser
@@ -51,6 +54,8 @@ class Tau2Session:
         self.domain, self.renderer = domain, renderer
         self.task = domain.task(task_id)
         self.user = user if user is not None else ScriptedUser(self.task, seed)
+        if hasattr(self.user, "act"):
+            self.user.act = self._user_action
         self.max_turns = check_int("max_turns", max_turns, minimum=1)
         self.env = domain.new_environment(self.task)
         m = tau2_modules().message
@@ -62,6 +67,8 @@ class Tau2Session:
         self._header = self._after_last_eos(self.prompt_ids)  # the next turn's header: the response parser's prefix
         self.done, self.end_reason, self.turns = False, None, 0
         self._calls = 0
+        self.calls: list[tuple[str, dict]] = []  # the agent's attempted calls, for the shaped rewards
+        self.call_formats: list[float] = []  # per turn: 1 a call of a known tool, 0.5 unknown, 0.25 unparsed, 0 text
 
     def step(self, turn_ids: list[int]) -> list[int]:
         if self.done:
@@ -70,11 +77,16 @@ class Tau2Session:
         message = self.renderer.parse(turn_ids, prefix=self._header)
         self.chat.append(message)
         if message.get("tool_calls"):
+            known = {s["function"]["name"] for s in self.domain.tool_schemas}
+            names = [c.get("function", c).get("name") for c in message["tool_calls"]]
+            self.call_formats.append(1.0 if all(n in known for n in names) else 0.5)
             answers = self._run_calls(message)
         elif _TOOL_CALL_OPEN in message["content"]:
+            self.call_formats.append(0.25)
             answers = [{"role": "tool", "name": "error", "content": "Error: the tool call could not be parsed; write "
                         "one JSON object with 'name' and 'arguments' inside <tool_call></tool_call>."}]
         else:
+            self.call_formats.append(0.0)
             self.trajectory.append(tau2_assistant_message(message))
             text, stop = self.user.reply(message["content"])
             self.trajectory.append(self._m.UserMessage(role="user", content=text))
@@ -102,12 +114,38 @@ class Tau2Session:
             self._calls += 1
             tool_call, result = call_tool(self.env, function.get("name", ""), function.get("arguments", {}),
                                           f"call_{self._calls}")
+            self.calls.append((tool_call.name, dict(tool_call.arguments)))
             calls.append(tool_call)
             results.append(result)
             answers.append(chat_tool_message(tool_call.name, result))
         self.trajectory.append(tau2_assistant_message(message, calls))
         self.trajectory.extend(results)
         return answers
+
+    def _user_action(self, name: str, arguments: dict) -> str:
+        """Runs one of the user's own actions on the episode's environment, as tau2's user simulator does (a user
+        message with the tool call, then the tool's answer, both in the trajectory); returns the answer's text."""
+        m = self._m
+        self._calls += 1
+        call = m.ToolCall(id=f"user_call_{self._calls}", name=name, arguments=arguments, requestor="user")
+        result = self.env.get_response(call)
+        self.trajectory.append(m.UserMessage(role="user", tool_calls=[call]))
+        self.trajectory.append(result)
+        return (result.content or "")[:300]
+
+    def copy(self) -> Tau2Session:
+        """The same episode from here on, independent of this one (tree rollouts branch episodes at turn boundaries
+        with it: `envs.rollout.CopyableEnv`): the database copied ([`Tau2Domain.copy_environment`]), the user's
+        state copied (its `copy()`), the conversation and trajectory copied; domain, task and renderer shared."""
+        twin = copy.copy(self)
+        twin.env = self.domain.copy_environment(self.env)
+        twin.user = self.user.copy() if callable(getattr(self.user, "copy", None)) else copy.deepcopy(self.user)
+        if hasattr(twin.user, "act"):  # the user's own actions run on the twin's database
+            twin.user.act = twin._user_action
+        twin.trajectory, twin.chat = list(self.trajectory), copy.deepcopy(self.chat)
+        twin.prompt_ids, twin._header = list(self.prompt_ids), list(self._header)
+        twin.calls, twin.call_formats = list(self.calls), list(self.call_formats)
+        return twin
 
     def stop(self, reason: str) -> None:
         if reason not in END_REASONS:
@@ -117,6 +155,17 @@ class Tau2Session:
     def reward(self):
         """tau2's `RewardInfo` for the episode so far (final once `done`)."""
         return self.domain.evaluate(self.task, self.trajectory, _TAU2_END.get(self.end_reason, "max_steps"))
+
+    def shaped(self) -> dict[str, float]:
+        """The shaped credits of the episode (`envs.reward`): `call_format` (the mean per-turn call format: 1 a call of
+        a known tool, 0.5 of an unknown one, 0.25 an unparsed `<tool_call>`, 0 text), `tools` and `arguments`
+        against the task's gold agent actions."""
+        criteria = self.task.evaluation_criteria
+        gold = [(a.name, dict(a.arguments)) for a in (criteria.actions or []) if a.requestor == "assistant"] \
+            if criteria is not None else []
+        formats = self.call_formats
+        return {"call_format": sum(formats) / len(formats) if formats else 0.0,
+                "tools": tool_credit(gold, self.calls), "arguments": argument_credit(gold, self.calls)}
 
 
 def play_tau2_episodes(
@@ -131,8 +180,12 @@ def play_tau2_episodes(
     max_turns: int = 16,
     max_turn_tokens: int = 256,
     max_tokens: int = 32768,
+    timings: dict | None = None,
+    branching: Sequence[int] | None = None,
+    branch_turns: int = 1,
 ) -> list[Episode]:
-    """Plays `num_generations` episodes of every task with the policy behind `generate`.
+    """Plays `num_generations` episodes of every task with the policy behind `generate` (or, with `branching`, a tree
+    of `prod(branching)` episodes per task that branches at turn boundaries: `envs.rollout.run_sessions`).
 
     Args:
         domain ([`Tau2Domain`]): the domain.
@@ -145,21 +198,36 @@ def play_tau2_episodes(
             [`ScriptedUser`]`(task, seed)`.
         max_turns (`int`, *optional*, defaults to `16`), max_turn_tokens (`int`, *optional*, defaults to `256`),
         max_tokens (`int`, *optional*, defaults to `32768`): the episode's limits.
+        timings (`dict`, *optional*): receives `"reward_s"`, the seconds tau2's evaluator took.
+        branching (`Sequence[int]`, *optional*): tree rollouts: episodes per level (`num_generations` must be 1);
+            every unfinished episode is copied ([`Tau2Session.copy`]) into the next level's children after
+            `branch_turns` policy turns per level.
+        branch_turns (`int`, *optional*, defaults to `1`): policy turns per level before each branch point.
 
     Returns:
-        `list[Episode]`: with `messages` (the chat messages after the prompt), `end_reason` and `reward` (tau2's
-        `RewardInfo`).
+        `list[Episode]`: with `messages` (the chat messages after the prompt), `end_reason`, `reward` (tau2's
+        `RewardInfo`) and `shaped` ([`Tau2Session.shaped`]).
     """
     num_generations = check_int("num_generations", num_generations, minimum=1)
+    branching, branch_turns = check_branching(branching, branch_turns)
+    if branching is not None and num_generations != 1:
+        raise ValueError(f"with `branching` each task yields prod(branching) episodes: set `num_generations=1` "
+                         f"(got {num_generations}).")
     sessions, ids = [], []
     for task_id in task_ids:
-        for _ in range(num_generations):
+        for _ in range((branching or [num_generations])[0]):
             task = domain.task(task_id)
             user = user_factory(task) if user_factory is not None else None
             sessions.append(Tau2Session(domain, task_id, renderer, user=user, seed=seed, max_turns=max_turns))
+            if branching is not None:
+                check_copyable(sessions[-1])
             ids.append(task_id)
     episodes, sessions = run_sessions(sessions, ids, generate, max_turn_tokens=max_turn_tokens,
-                                      max_tokens=max_tokens)
+                                      max_tokens=max_tokens, branching=branching, branch_turns=branch_turns)
+    start = time.perf_counter()
     for episode, session in zip(episodes, sessions):
         episode.messages, episode.end_reason, episode.reward = session.chat[2:], session.end_reason, session.reward()
+        episode.shaped = session.shaped()
+    if timings is not None:
+        timings["reward_s"] = time.perf_counter() - start
     return episodes

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from datasets import Dataset
 
-from ..._checks import check_int
+from ..._checks import check_bool, check_int
 from ..chat import ChatRenderer
 from ..rollout import episode_columns as rollout_columns
-from ..rollout import model_generate_fn
+from ..trl_rollout import policy_generator
 from .domain import Tau2Domain
 from .episode import play_tau2_episodes
 from .user import ScriptedUser
@@ -58,14 +58,18 @@ class Tau2RolloutFunc:
         user_factory (*optional*): `user_factory(task) -> user`; defaults to the offline [`ScriptedUser`].
         max_turns (`int`, *optional*, defaults to `16`): policy turns per episode.
         max_tokens (`int`, *optional*, defaults to `32768`): tokens per episode, prompt included.
+        generation_cache (`bool`, *optional*, defaults to `True`): keep every episode's keys/values between turns, the
+            system prompt and each task's opening prefilled once per rollout (`trl_dta.envs.trl_rollout`); `False`:
+            `model.generate` on every whole prefix. Logs the same rollout metrics as `AgentRolloutFunc`.
 
     The trainer's dataset rows carry `task_id`; TRL hands `rollout_func` the prompts only, so the task is found from
     the prompt's opening (each task's opening is unique within a domain and seed; a clash raises at construction).
     """
 
     def __init__(self, domain: Tau2Domain, *, seed: int = 0, user_factory=None, max_turns: int = 16,
-                 max_tokens: int = 32768):
+                 max_tokens: int = 32768, generation_cache: bool = True):
         self.domain, self.seed, self.user_factory = domain, seed, user_factory
+        self.generation_cache = check_bool("generation_cache", generation_cache)
         self.max_turns = check_int("max_turns", max_turns, minimum=1)
         self.max_tokens = check_int("max_tokens", max_tokens, minimum=2)
         self._by_opening: dict[str, str] = {}
@@ -82,8 +86,6 @@ class Tau2RolloutFunc:
         return self._by_opening[opening]
 
     def __call__(self, prompts: list, trainer) -> dict[str, list]:
-        from trl.models.utils import unwrap_model_for_generation
-
         if trainer.use_vllm:
             raise ValueError("Tau2RolloutFunc generates with the trainer's model; set `use_vllm=False`, or use "
                              "`environment_factory=tau2_tool_env(domain)` (TRL's tool loop) with vLLM.")
@@ -92,21 +94,22 @@ class Tau2RolloutFunc:
             self._renderers[id(tokenizer)] = ChatRenderer(tokenizer, self.domain.tool_schemas)
         renderer = self._renderers[id(tokenizer)]
         task_ids = [self.task_id_of(prompt) for prompt in prompts]
-        with unwrap_model_for_generation(
-            trainer.model_wrapped, trainer.accelerator, gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
-            generation_kwargs=trainer.generation_kwargs,
-            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
-        ) as model:
-            generate = model_generate_fn(model, renderer.tokenizer, trainer.generation_config)
-            episodes = play_tau2_episodes(self.domain, task_ids, generate, renderer, seed=self.seed,
+        timings: dict = {}
+        with policy_generator(trainer, renderer.tokenizer, self.generation_cache) as meter:
+            episodes = play_tau2_episodes(self.domain, task_ids, meter, renderer, seed=self.seed,
                                           user_factory=self.user_factory, max_turns=self.max_turns,
-                                          max_turn_tokens=trainer.max_completion_length, max_tokens=self.max_tokens)
+                                          max_turn_tokens=trainer.max_completion_length, max_tokens=self.max_tokens,
+                                          timings=timings)
+        meter.log(trainer, episodes, timings.get("reward_s", 0.0))
         return episode_columns(episodes)
 
 
 def episode_columns(episodes) -> dict[str, list]:
-    """TRL's `rollout_func` output for played tau2 episodes, with tau2's reward of each."""
-    return rollout_columns(episodes, tau2_reward=[float(e.reward.reward) for e in episodes])
+    """TRL's `rollout_func` output for played tau2 episodes: tau2's reward of each (`tau2_reward`, and as `success`
+    for `outcome_reward`) and the shaped credits (`call_format`, `tools`, `arguments`: `trl_rollout.SHAPED_REWARDS`)."""
+    shaped = {key: [e.shaped[key] for e in episodes] for key in ("call_format", "tools", "arguments")}
+    rewards = [float(e.reward.reward) for e in episodes]
+    return rollout_columns(episodes, tau2_reward=rewards, success=rewards, **shaped)
 
 
 def tau2_reward(completions: list, tau2_reward: list[float], **kwargs) -> list[float]:

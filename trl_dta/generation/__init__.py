@@ -1,0 +1,16 @@
+"""Generation for rollouts: key/value-cache reuse over a forest of sequences, and the rollout loop's model calls.
+
+- `prefix_cache`: [`PrefixCache`], the keys/values of a forest of sequences (shared prefixes stored and forwarded once,
+  rows that grow, branching for tree samplers, chunked prefill);
+- `attention`: the attention implementation its forwards run (shared nodes, own rows, new tokens, merged by
+  log-sum-exp);
+- `sampling`: the rollout loop's [`GenerateFn`]s: [`CachedGenerate`] (the cache behind `model.generate`'s own
+  processors and stopping criteria) and [`reprefill_generate_fn`] (`model.generate` on whole prefixes), and
+  [`count_forward_tokens`].
+"""
+
+from .prefix_cache import CacheStats, Node, PrefixCache
+from .sampling import CachedGenerate, GenerateFn, Generation, count_forward_tokens, reprefill_generate_fn
+
+__all__ = ["CacheStats", "CachedGenerate", "GenerateFn", "Generation", "Node", "PrefixCache", "count_forward_tokens",
+           "reprefill_generate_fn"]

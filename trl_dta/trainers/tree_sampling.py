@@ -1,0 +1,329 @@
+"""Sampling a prompt's completions as a branching tree, shared segments generated once (`dta_tree_branching`).
+
+With `dta_tree_branching=[4, 2]` and `dta_tree_segment_length=S`, each prompt's 8 completions are sampled as
+
+```
+prompt ─┬─ a (S tokens) ─┬─ a1 (to the end)        leaf 0
+        │                └─ a2                      leaf 1
+        ├─ b (S tokens) ─┬─ b1                      leaf 2
+        │                └─ b2                      leaf 3
+        ├─ c <eos>                                  leaves 4, 5 (c finished: both rows are c)
+        └─ d (S tokens) ─┬─ ...                     leaves 6, 7
+```
+
+level 0 samples 4 first segments of `S` tokens from the prompt, level 1 samples 2 continuations of each, up to
+`max_completion_length` tokens in all. A node's segment is generated once and its keys/values are held once: the
+levels run on one generation cache (`trl_dta.generation.CachedGenerate` over a `PrefixCache`), in which the prompt is
+prefilled once and stored once as a node, and when a level branches, each parent's segment (its last sampled token
+forwarded once) becomes a node its children continue, never copied per child:
+
+```
+cache nodes:  prompt (P) ─┬─ a (S) ─┬─ row a1 (own tokens)     every node held once, read by the rows below it
+                          │         └─ row a2
+                          └─ b (S) ─┬─ row b1
+                                    └─ row b2
+```
+
+so a group's generation memory is the prompt plus the tree's segments plus the live rows' own tokens, not `G` copies
+of the prompt (`TreeStats.peak_kv_bytes`; `benchmarks/bench_tree_memory.py`: a 4,096-token prompt with 8 leaves
+peaks at 0.24 of independent sampling's key/value memory: twice the prompt, at the moment the prompt moves from the
+rows' buffer into its node). No token of a shared part is forwarded twice.
+
+Every level is one `model.generate` call over all of the level's children (decoded over the cache: transformers builds
+the logits processors and stopping criteria, `CachedGenerate` runs its sampling loop) with the settings `generate`
+would use for TRL's own sampling ([`effective_generation_config`]: the trainer's `generation_config` over the model's
+`generation_config.json`), only `max_new_tokens` and, when set, `min_new_tokens` adapted to the level
+([`level_generation_config`]). So the logits processors are TRL's: temperature, top-k, top-p, min-p and
+`sequence_bias` act on one position's logits, and `repetition_penalty`, `no_repeat_ngram_size` and `bad_words_ids`
+read the whole sequence (prompt and earlier segments are in `input_ids`), so all are exact across a branch point.
+Settings that depend on where a `generate` call starts (`forced_eos_token_id`, `exponential_decay_length_penalty`,
+`begin_suppress_tokens`, stop strings, ...) are refused, from either source ([`check_generation_config`]).
+
+Distribution. The product of the segment distributions is the sequence distribution, so each leaf, taken alone, is a
+sample from the policy: the same distribution as TRL's completions (not the same numbers: attention over cached
+nodes, merged by log-sum-exp, gives logits that differ from one full prefill in the last bits).
+`tests/trainers/test_tree_sampling.py` checks each leaf's marginal and the joint law of a node and its children
+(`P(a, b1, b2) = p(a) p(b1 | a) p(b2 | a)`) with chi-square tests. A node that ends (EOS) before a branch
+point has no children: each of the rows below it is that same finished sequence, which is exactly what independent
+continuation would give (an ended sequence has the empty continuation), so every row is still one sample of the
+policy. Leaves of one prompt are correlated: what that does to the advantages is `tree_advantages.py`'s subject.
+
+Budget. Every leaf has at most `max_completion_length` tokens: the branch points sit after `S, 2S, ...` completion
+tokens and the last level continues to `max_completion_length`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+
+
+# GenerationConfig attributes whose effect depends on where a `generate` call starts (its input length, its
+# `max_length`, its wall clock), or that do not sample the policy, so a tree of segment-wise calls would not sample
+# TRL's distribution; why, for each.
+UNSUPPORTED_GENERATION = {
+    "forced_eos_token_id": "it forces <eos> at each call's last position, i.e. at every branch point",
+    "exponential_decay_length_penalty": "its decay starts at each call's first new token",
+    "begin_suppress_tokens": "it suppresses tokens at each call's first new token",
+    "stop_strings": "a stopped row cannot be told apart from a branching one; use an <eos> token",
+    "max_time": "it bounds each level's call, not the rollout",
+    "max_length": "set `max_completion_length` instead",
+    "min_length": "it counts prompt tokens, which differ by prompt; use `min_new_tokens`",
+    "token_healing": "it rewrites the last tokens of each call's input",
+    "guidance_scale": "classifier-free guidance is not a sample of the policy",
+    "watermarking_config": "a watermark is not a sample of the policy",
+    "dola_layers": "DoLa decoding is not a sample of the policy",
+    "assistant_model": "assisted decoding is not supported with tree rollouts",
+    "prompt_lookup_num_tokens": "assisted decoding is not supported with tree rollouts",
+    "use_mtp": "assisted decoding is not supported with tree rollouts",
+    "speculation_type": "assisted decoding is not supported with tree rollouts",
+    "penalty_alpha": "contrastive search is not sampling",
+    "cache_implementation": "tree rollouts sample over their own generation cache; leave `cache_implementation=None`",
+}
+# Attributes that must have this value: tree rollouts sample, one sequence per row.
+REQUIRED_GENERATION = {"do_sample": True, "num_beams": 1, "num_return_sequences": 1}
+# `generate` overrides these in every call (`max_new_tokens` wins over `max_length`), so a checkpoint's value is inert.
+_INERT_FROM_MODEL = ("max_length",)
+
+
+def effective_generation_config(model, generation_config):
+    """What `model.generate(generation_config=generation_config)` samples with: the trainer's settings over the
+    model's own `generation_config` (its `generation_config.json`), then transformers' global defaults.
+
+    transformers fills every field the passed config leaves unset (`None`) from `model.generation_config`, then from
+    the global defaults (`GenerationMixin._prepare_generation_config`, transformers 5.24); this calls that merge, so a
+    checkpoint's `forced_eos_token_id`, `min_new_tokens` or `num_beams` is seen where `generate` would apply it.
+
+    Args:
+        model (`transformers.PreTrainedModel`): the policy (a PEFT model forwards to its base model).
+        generation_config (`transformers.GenerationConfig`): the trainer's (TRL's sampling fields and
+            `generation_kwargs`).
+
+    Returns:
+        `transformers.GenerationConfig`: a new config with every field set ([`level_generation_config`] unsets
+        `max_length` and `min_length` again, which `generate` derives from `max_new_tokens` / `min_new_tokens`).
+    """
+    merged, _ = model._prepare_generation_config(copy.deepcopy(generation_config))
+    return merged
+
+
+def check_generation_config(generation_config, model=None) -> None:
+    """Refuse generation settings that tree rollouts cannot sample exactly; each error names the setting and the fix.
+
+    Args:
+        generation_config (`transformers.GenerationConfig`): the trainer's (`GRPOTrainer.generation_config`, built
+            from the `GRPOConfig` sampling fields and `generation_kwargs`).
+        model (`transformers.PreTrainedModel`, *optional*): the policy; with it, also what `generate` will really use
+            ([`effective_generation_config`]), so settings that come from the model's `generation_config.json` go
+            through the same refusals.
+    """
+    off = "or set `dta_tree_branching=None` for TRL's independent sampling."
+    sources = [(generation_config, None, "Remove it from `generation_kwargs`")]
+    if model is not None:
+        sources.append((effective_generation_config(model, generation_config),
+                        model.generation_config._get_default_generation_params(),
+                        ("It comes from the model's own generation config (its `generation_config.json`), which "
+                         "`generate` reads for every field the trainer leaves unset: remove it there (e.g. "
+                         "`model.generation_config.{name} = None` before building the trainer)")))
+    for config, defaults, fix in sources:
+        for name, why in UNSUPPORTED_GENERATION.items():
+            if defaults is not None and name in _INERT_FROM_MODEL:
+                continue
+            value = getattr(config, name, None)
+            default = None if defaults is None else defaults.get(name)
+            if value is not None and value != default:
+                raise ValueError(f"dta_tree_branching: `{name}={value!r}` cannot be used with tree rollouts ({why}). "
+                                 f"{fix.format(name=name)}, {off}")
+        for name, required in REQUIRED_GENERATION.items():
+            value = getattr(config, name, None)
+            if value is not None and value != required:  # None: transformers' default, which is the required value
+                raise ValueError(
+                    f"dta_tree_branching: tree rollouts sample, one sequence per row, so `{name}` must be "
+                    f"{required!r} (got {value!r}). "
+                    f"{fix.format(name=name)} or set `generation_kwargs={{{name!r}: {required!r}}}`, {off}"
+                )
+
+
+@dataclass
+class RolloutTree:
+    """One prompt's sampled tree, as the rows TRL receives.
+
+    Args:
+        leaves (`list[list[int]]`): the `G` completions in depth-first order, each at most `max_completion_length`
+            tokens (EOS included when sampled).
+        nodes (`list[list[int]]`): `nodes[j][l]`: the id (unique within the tree) of leaf `j`'s node at level `l`,
+            for the levels its path reaches (a leaf whose node ended at level `l` has `l + 1` entries).
+        starts (`list[int]`): completion position where level `l`'s segment starts (`0, S, 2S, ...`).
+        generated_tokens (`int`): tokens sampled for this tree (each node's segment once).
+    """
+
+    leaves: list[list[int]]
+    nodes: list[list[int]]
+    starts: list[int]
+    generated_tokens: int = 0
+
+    @property
+    def independent_tokens(self) -> int:
+        """Tokens that sampling the same leaves independently would generate."""
+        return sum(len(leaf) for leaf in self.leaves)
+
+
+@dataclass
+class TreeStats:
+    """What a call of [`sample_trees`] computed, for the metrics, the tests and the benchmarks.
+
+    Args:
+        forward_calls (`int`): model forwards.
+        forward_tokens (`int`): token positions the model forwarded (each prompt and each node's segment once, a
+            node's last token once when it branches, a leaf's last token never).
+        peak_kv_bytes (`int`): the most key/value memory the generation cache held after a forward or a freeze (its
+            shared nodes and its rows' buffer: `PrefixCache.kv_bytes`).
+        logits (`list[list[torch.Tensor]]`, *optional*): with `return_logits`, per tree and leaf the raw logits of its
+            sampled tokens, `(len(leaf), vocab)` float32.
+    """
+
+    forward_calls: int = 0
+    forward_tokens: int = 0
+    peak_kv_bytes: int = 0
+    logits: list[list[torch.Tensor]] | None = None
+
+
+@dataclass
+class _Node:
+    tokens: list[int]
+    finished: bool
+    children: list[_Node] = field(default_factory=list)
+    logits: torch.Tensor | None = None  # (len(tokens), vocab)
+
+
+def _first_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+    """Per row of `tokens` `(N, s)`, the number of tokens up to and including the first EOS, or `s` when none."""
+    is_eos = torch.isin(tokens, eos)
+    any_eos = is_eos.any(dim=1)
+    first = torch.where(any_eos, is_eos.int().argmax(dim=1) + 1, torch.full_like(any_eos, tokens.size(1), dtype=torch.long))
+    return first, any_eos
+
+
+def level_budgets(n_levels: int, segment_length: int | None, max_new_tokens: int) -> list[int]:
+    """New tokens per level: `segment_length` before each branch point, the rest of `max_new_tokens` after the last."""
+    if n_levels == 1:
+        return [max_new_tokens]
+    return [segment_length] * (n_levels - 1) + [max_new_tokens - (n_levels - 1) * segment_length]
+
+
+def level_generation_config(generation_config, budget: int, done: int):
+    """One level's `generate` settings: the rollout's ([`effective_generation_config`]), with `max_new_tokens` set to
+    the level's budget and `min_new_tokens` reduced by the `done` completion tokens sampled before the level (0 once it
+    is met: `None` would let `generate` fill it from the model's own generation config again)."""
+    config = copy.deepcopy(generation_config)
+    config.max_new_tokens = budget
+    config.max_length = config.min_length = None  # `generate` derives them from `max/min_new_tokens` in every call
+    if getattr(config, "min_new_tokens", None):
+        config.min_new_tokens = min(budget, max(0, generation_config.min_new_tokens - done))
+    return config
+
+
+@torch.no_grad()
+def sample_trees(
+    model,
+    prompts: list[list[int]],
+    branching: list[int],
+    segment_length: int | None,
+    max_new_tokens: int,
+    generation_config,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+    return_logits: bool = False,
+) -> tuple[list[RolloutTree], TreeStats]:
+    """Sample one tree of completions per prompt (see the module docstring).
+
+    Args:
+        model (`transformers.PreTrainedModel`): the (unwrapped) policy, in eval mode.
+        prompts (`list[list[int]]`): one prompt's token ids per tree (unpadded).
+        branching (`list[int]`): children per level; their product is the number of leaves per tree.
+        segment_length (`int`, *optional*): completion tokens per segment before each branch point (unused with one
+            level).
+        max_new_tokens (`int`): the longest completion (`max_completion_length`).
+        generation_config (`transformers.GenerationConfig`): the sampling settings as `generate` uses them
+            ([`effective_generation_config`], checked by [`check_generation_config`]).
+        eos_token_ids (`list[int]`): tokens that end a completion.
+        pad_token_id (`int`): the tokenizer's padding token.
+        return_logits (`bool`, *optional*, defaults to `False`): also return each leaf's raw logits (tests).
+
+    Returns:
+        `(trees, stats)`: a [`RolloutTree`] per prompt and the [`TreeStats`] of the call.
+    """
+    from ..generation import CachedGenerate
+
+    ids = SimpleNamespace(eos_token_id=list(eos_token_ids), pad_token_id=pad_token_id)
+    generator = CachedGenerate(model, ids, generation_config)
+    stats = TreeStats()
+    roots = [_Node([], finished=False) for _ in prompts]
+    active = list(roots)  # the nodes whose children the next level samples
+    prefixes = [list(p) for p in prompts]  # each active node's prompt and segments
+    for level, (children, budget) in enumerate(zip(branching, level_budgets(len(branching), segment_length,
+                                                                             max_new_tokens))):
+        last = level == len(branching) - 1
+        rows = [prefix for prefix in prefixes for _ in range(children)]  # each parent's row branches in the cache
+        config = level_generation_config(generation_config, budget, level * (segment_length or 0))
+        config.return_dict_in_generate = True
+        config.output_logits = return_logits
+        out = generator.generate(rows, [budget] * len(rows), generation_config=config)
+        new = out.sequences[:, max(map(len, rows)):]  # (n, s), s <= budget: after the left-padded prefixes
+        lengths, ended = _first_eos(new, torch.tensor(eos_token_ids, device=new.device))
+        step_logits = torch.stack(out.logits, dim=1) if return_logits else None  # (n, s, vocab)
+        nodes = []
+        parents = [node for node in active for _ in range(children)]
+        for r, parent in enumerate(parents):
+            n = int(lengths[r])
+            node = _Node(new[r, :n].tolist(), finished=bool(ended[r]) or last or n < budget)
+            if step_logits is not None:
+                node.logits = step_logits[r, :n]
+            parent.children.append(node)
+            nodes.append(node)
+        keep = [r for r, node in enumerate(nodes) if not node.finished]
+        if last or not keep:
+            break
+        active = [nodes[r] for r in keep]
+        prefixes = [rows[r] + nodes[r].tokens for r in keep]
+    cache = generator.cache.stats
+    stats.forward_calls, stats.forward_tokens, stats.peak_kv_bytes = (cache.forward_calls, cache.forward_tokens,
+                                                                      cache.peak_kv_bytes)
+
+    trees, all_logits = [], []
+    starts = [level * (segment_length or 0) for level in range(len(branching))]
+    for root in roots:
+        tree = RolloutTree([], [], starts)
+        leaf_logits: list[torch.Tensor] = []
+        _collect(root.children, branching, 0, [], [], [], tree, leaf_logits, counter=[0])
+        trees.append(tree)
+        all_logits.append(leaf_logits)
+    if return_logits:
+        stats.logits = all_logits
+    return trees, stats
+
+
+def _collect(children: list[_Node], branching: list[int], level: int, tokens: list[int], path: list[int],
+             logits: list[torch.Tensor], tree: RolloutTree, leaf_logits: list, counter: list[int]) -> None:
+    """Append the leaves below `children` (level `level`) to `tree` in depth-first order."""
+    for node in children:
+        node_id = counter[0]
+        counter[0] += 1
+        tree.generated_tokens += len(node.tokens)
+        seq, ids = tokens + node.tokens, path + [node_id]
+        lg = logits + ([node.logits] if node.logits is not None else [])
+        if node.children:
+            _collect(node.children, branching, level + 1, seq, ids, lg, tree, leaf_logits, counter)
+            continue
+        copies = math.prod(branching[level + 1:])  # a node that ended early stands for all the rows below it
+        for _ in range(copies):
+            tree.leaves.append(list(seq))
+            tree.nodes.append(list(ids))
+            if lg:
+                leaf_logits.append(torch.cat(lg))
+
+
