@@ -107,6 +107,9 @@ PROVIDERS: dict[str, Callable] = {
     "dense-mb8": lambda model, cfg: DenseProvider(model, micro_batch_size=TRL_MICRO_BATCH_SIZE),
     "dense+ckpt": lambda model, cfg: DenseProvider(model, micro_batch_size=cfg.micro_batch_size,
                                                    gradient_checkpointing=True),
+    # TRL's default dense path: its micro-batch and gradient checkpointing (`GRPOConfig.gradient_checkpointing=True`)
+    "dense-ckpt": lambda model, cfg: DenseProvider(model, micro_batch_size=TRL_MICRO_BATCH_SIZE,
+                                                   gradient_checkpointing=True),
     "sparse": lambda model, cfg: SparseProvider(model, attention=cfg.sparse_attention,
                                                 max_tokens=cfg.sparse_max_tokens),
     "dta": lambda model, cfg: DTAProvider(model, **cfg.engine_kwargs(cfg.dta_max_graph_tokens)),

@@ -49,6 +49,8 @@ def concat_attention(query, path_key, path_value, key, value, *, scale, position
     explicit = softcap is not None or sinks is not None
     if not explicit and path_len == 0 and window is None and key_end is None:
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=groups > 1)
+    if query.is_cuda and groups > 1:  # CUDA's fused SDPA kernels take a mask or GQA, not both (else: the math kernel)
+        key, value, groups = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1), 1
     mask = _mask(q_len, path_len, positions, key_end, window, query.device)
     if not explicit:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=groups > 1)

@@ -69,9 +69,7 @@ def _triton_available(device) -> bool:
 
 
 def _flash_available(device) -> bool:
-    if device.type != "cuda":
-        return False
-    return _flash_kernel().available(device)
+    return _flash_kernel().available(device)  # flash-attn's ops registered with a kernel for this device
 
 
 # Part kernels by name: (available on a device, the kernel, loaded lazily so that optional packages stay optional).
