@@ -74,6 +74,8 @@ class _Bench:
                 t.grad = None
         if self.peak_mb is None:
             self.peak.reset()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # nothing queued before the timed region
         start = time.perf_counter()
         loss = 0.0
         for t in self.layers:

@@ -16,6 +16,8 @@ python -m benchmarks.bench_engine                    # CPU, scaled workloads (se
 python -m benchmarks.bench_engine --quick            # the quick shape and sizes of `benchmarks.run --quick`
 python -m benchmarks.bench_engine --device cuda --dtype bf16 --model-shape qwen3-1.7b --scale 1
 python -m benchmarks.bench_engine --prefix-memory    # issue 11: prompt 4096, 4/32/128 siblings, dta-sdpa vs dta
+python -m benchmarks.bench_engine --quick --families qwen,gpt_oss --workloads grpo --methods dense,dense-mb8,dta \
+    --tag families                                   # GPT-OSS (sinks, MoE) beside Qwen2 of the same width
 ```
 
 Writes `benchmarks/results/engine[-<tag>].csv` and `.png` (`prefix-memory[-<tag>]` with `--prefix-memory`). The
@@ -26,6 +28,7 @@ uses.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -104,6 +107,9 @@ PROVIDERS: dict[str, Callable] = {
     "dense-mb8": lambda model, cfg: DenseProvider(model, micro_batch_size=TRL_MICRO_BATCH_SIZE),
     "dense+ckpt": lambda model, cfg: DenseProvider(model, micro_batch_size=cfg.micro_batch_size,
                                                    gradient_checkpointing=True),
+    # TRL's default dense path: its micro-batch and gradient checkpointing (`GRPOConfig.gradient_checkpointing=True`)
+    "dense-ckpt": lambda model, cfg: DenseProvider(model, micro_batch_size=TRL_MICRO_BATCH_SIZE,
+                                                   gradient_checkpointing=True),
     "sparse": lambda model, cfg: SparseProvider(model, attention=cfg.sparse_attention,
                                                 max_tokens=cfg.sparse_max_tokens),
     "dta": lambda model, cfg: DTAProvider(model, **cfg.engine_kwargs(cfg.dta_max_graph_tokens)),
@@ -127,7 +133,8 @@ class MethodRun:
     """
 
     def __init__(self, workload: workloads.Workload, method: str, shape: str, device: str = "cpu",
-                 dtype: str = "fp32", cfg: MethodConfig | None = None, threads: int | None = None, seed: int = 0):
+                 dtype: str = "fp32", cfg: MethodConfig | None = None, threads: int | None = None, seed: int = 0,
+                 family: str = "qwen"):
         if method not in PROVIDERS:
             raise ValueError(f"unknown method {method!r}; choose from {list(PROVIDERS)}")
         self.workload, self.method, self.device, self.dtype = workload, method, device, dtype
@@ -135,7 +142,7 @@ class MethodRun:
         self.shape = get_model_shape(shape)
         common.set_threads(threads)
         torch.manual_seed(seed)
-        self.model = common.build_model(self.shape, common.parse_dtype(dtype), device, seed=seed)
+        self.model = common.build_model(self.shape, common.parse_dtype(dtype), device, seed=seed, family=family)
         self.optimizer = common.make_optimizer(self.model)
         self.provider = PROVIDERS[method](self.model, self.cfg)
         self.tree = workload.tree()
@@ -218,8 +225,12 @@ def run_grid(
     isolate: bool = True,
     threads: int | None = None,
     timeout: float | None = None,
+    family: str = "qwen",
 ) -> list[dict]:
     """Every method on every workload, each in its own process; failures become rows with an `error`.
+
+    `family` builds the model of another family at the shape's width (`common.FAMILIES`); its rows' workloads are
+    named `<workload>@<family>`, so that each family's methods are compared with its own dense path.
 
     Per workload, one `common.Worker` process per method is built (model, optimizer, warm-up); then `rounds` timed
     steps per method, interleaved round-robin across the methods (`interleave`, default on CPU: other processes'
@@ -228,6 +239,8 @@ def run_grid(
     """
     interleave = (not device.startswith("cuda")) if interleave is None else interleave
     rows = []
+    if family != "qwen":
+        grid = [dataclasses.replace(w, name=f"{w.name}@{family}") for w in grid]
     for w in grid:
         tree = w.tree()
         common.log(f"== {w.name}: {len(w.seqs)} seqs, {tree.n_tokens} tokens, {tree.n_tree_tokens} tree tokens "
@@ -243,7 +256,7 @@ def run_grid(
         def start(method):
             try:
                 return common.Worker(MethodRun, w, method, shape, device, dtype, cfg, threads, isolate=isolate,
-                                     timeout=timeout)
+                                     timeout=timeout, family=family)
             except RuntimeError as e:
                 fail(method, e)
                 return None
@@ -371,6 +384,9 @@ def main(argv=None) -> None:
     p.add_argument("--methods", default=None, help="comma-separated (default: dense,dense-mb8,sparse,dta)")
     p.add_argument("--micro-batch-size", type=int, default=1, help="rows per micro-batch of `dense` and `dense+ckpt`")
     p.add_argument("--rounds", type=int, default=3, help="timed steps per method, interleaved (best kept)")
+    p.add_argument("--families", default="qwen", help=f"comma-separated, of {sorted(common.FAMILIES)}: each family "
+                   "at the shape's width (rows `<workload>@<family>`)")
+    p.add_argument("--workloads", default=None, help="comma-separated name prefixes to keep (e.g. grpo)")
     p.add_argument("--tag", default="")
     p.add_argument("--no-isolate", action="store_true")
     p.add_argument("--threads", type=int, default=1,
@@ -397,10 +413,14 @@ def main(argv=None) -> None:
         grid = engine_workloads(0.5, 0.25, (8, 1024), vocab)
     else:
         grid = engine_workloads(1.0, 1.0, (16, 2048), vocab)
+    if args.workloads:
+        grid = [w for w in grid if w.name.startswith(tuple(args.workloads.split(",")))]
     cfg = MethodConfig(micro_batch_size=args.micro_batch_size)
     methods = (args.methods or "dense,dense-mb8,sparse,dta").split(",")
-    rows = run_grid(grid, methods, shape, args.device, args.dtype, cfg, rounds=args.rounds,
-                    isolate=not args.no_isolate, threads=args.threads if cpu else None)
+    rows = []
+    for family in args.families.split(","):
+        rows += run_grid(grid, methods, shape, args.device, args.dtype, cfg, rounds=args.rounds,
+                         isolate=not args.no_isolate, threads=args.threads if cpu else None, family=family)
     name = "engine" + ("-quick" if args.quick else "") + (f"-{args.tag}" if args.tag else "")
     path = common.write_csv(rows, f"benchmarks/results/{name}.csv")
     print(common.markdown_table(rows))

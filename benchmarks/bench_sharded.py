@@ -46,6 +46,7 @@ def free_port() -> int:
 
 def build_model_dir(path: Path, layers: int, hidden: int) -> None:
     sys.path.insert(0, str(ROOT / "tests" / "trainers"))
+    sys.path.insert(1, str(ROOT / "tests"))  # `bounds`, which the trainers' conftest imports
     from conftest import build_model, build_tokenizer
 
     tokenizer = build_tokenizer()

@@ -10,7 +10,7 @@ loss = provider.forward_backward(seqs, loss_fn)  # adds d(sum_i loss_fn(i, logps
 with `loss_fn(i, logps_i, entropy_i)` the per-sequence loss of [`~trl_dta.DTAEngine.forward_backward`]. A training
 step is `forward_backward` followed by an optimizer step, timed together.
 
-Peak memory is measured per provider in a fresh process (`Worker` forks a child that has imported everything but run
+Peak memory is measured per provider in a fresh process (`Worker` starts a child that has imported everything but run
 nothing), as the peak resident set above the resident set after the model and optimizer state were built
 (`/proc/self/status` VmHWM after a reset through `/proc/self/clear_refs`), or `torch.cuda.max_memory_allocated`
 above the allocation at the same point on GPU.
@@ -74,6 +74,30 @@ def parse_dtype(name: str) -> torch.dtype:
 # ---------------------------------------------------------------------------------------------------- model
 
 
+def _gpt_oss_config(shape: ModelShape, common: dict):
+    """GPT-OSS at `shape`'s width: attention sinks, sliding (window 128) and full layers alternating, 4 experts of
+    half the shape's MLP width with 2 routed per token (so the active MLP FLOPs are the shape's), its eager attention
+    (transformers has no SDPA one for its sinks) and its router loss coefficient."""
+    from transformers import GptOssConfig
+
+    return GptOssConfig(**{**common, "attn_implementation": "eager"}, intermediate_size=shape.intermediate_size // 2,
+                        num_local_experts=4, num_experts_per_tok=2, sliding_window=128,
+                        rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                         "truncate": False, "rope_theta": 150000.0,
+                                         "original_max_position_embeddings": common["max_position_embeddings"] // 32})
+
+
+def _qwen_config(shape: ModelShape, common: dict):
+    from transformers import Qwen2Config, Qwen3Config
+
+    return (Qwen3Config if shape.name.startswith("qwen3") else Qwen2Config)(
+        **common, intermediate_size=shape.intermediate_size, tie_word_embeddings=True)
+
+
+# Model families of the benchmarks at a `ModelShape`'s width: family -> config builder (`build_model(family=...)`).
+FAMILIES: dict[str, Callable] = {"qwen": _qwen_config, "gpt_oss": _gpt_oss_config}
+
+
 def build_model(
     shape: str | ModelShape,
     dtype: torch.dtype = torch.float32,
@@ -81,9 +105,11 @@ def build_model(
     seed: int = 0,
     attn_implementation: str = "sdpa",
     max_position_embeddings: int = 32768,
+    family: str = "qwen",
 ):
-    """A Qwen2-shaped (Qwen3-shaped for `qwen3-*` shapes) causal LM with random weights, in train mode; a hybrid shape
-    (`recurrent_layers > 0`) builds a Qwen3.5 text model (Gated DeltaNet) or a Nemotron-H (Mamba2), `_hybrid_config`.
+    """A causal LM of `shape` with random weights, in train mode: Qwen2-shaped (Qwen3-shaped for `qwen3-*` shapes),
+    or another family of `FAMILIES` at the same width; a hybrid shape (`recurrent_layers > 0`) builds a Qwen3.5 text
+    model (Gated DeltaNet) or a Nemotron-H (Mamba2), `_hybrid_config`.
 
     Args:
         shape (`str` or [`~trl_dta.flops.ModelShape`]): the model's shape (a name of `trl_dta.flops.MODEL_SHAPES`).
@@ -92,38 +118,25 @@ def build_model(
         seed (`int`, *optional*, defaults to `0`): initialisation seed (the global RNG is left untouched).
         attn_implementation (`str`, *optional*, defaults to `"sdpa"`): attention backend of the dense path.
         max_position_embeddings (`int`, *optional*, defaults to `32768`): longest position (RoPE table).
+        family (`str`, *optional*, defaults to `"qwen"`): one of `FAMILIES`.
     """
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; choose one of {sorted(FAMILIES)}")
     shape = get_model_shape(shape)
     if shape.recurrent_layers:
-        from transformers import AutoModelForCausalLM
-
         config = _hybrid_config(shape, max_position_embeddings, attn_implementation, dtype)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            with torch.device(device):
-                model = AutoModelForCausalLM.from_config(config).to(dtype)
-        return model.train()
-    qwen3 = shape.name.startswith("qwen3")
-    config_cls, model_cls = (Qwen3Config, Qwen3ForCausalLM) if qwen3 else (Qwen2Config, Qwen2ForCausalLM)
-    config = config_cls(
-        vocab_size=shape.vocab_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
-        attn_implementation=attn_implementation,
-        dtype=dtype,
-    )
+    else:
+        common = dict(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, num_hidden_layers=shape.num_layers,
+                      num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
+                      head_dim=shape.head_dim, max_position_embeddings=max_position_embeddings,
+                      attn_implementation=attn_implementation, dtype=dtype)
+        config = FAMILIES[family](shape, common)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         with torch.device(device):
-            model = model_cls(config).to(dtype)
+            model = AutoModelForCausalLM.from_config(config).to(dtype)
     return model.train()
 
 
@@ -264,26 +277,57 @@ def _serve(conn, factory, args, kwargs):
     conn.close()
 
 
+START_METHODS = ("fork", "forkserver", "spawn")
+
+
+def start_method() -> str:
+    """How `Worker` starts its child: `$DTA_BENCH_START_METHOD` if set, else `fork` with a CPU-only torch build and
+    `forkserver` with a CUDA build.
+
+    A forked child inherits the imported modules (no import time per run) but cannot use CUDA once the parent has
+    touched it: `torch.cuda.is_available()` alone makes later forks fail with "Cannot re-initialize CUDA in forked
+    subprocess". A fork server is a fresh interpreter (started by exec, so the parent's CUDA state does not reach it)
+    that imports the preloaded modules once and forks every child from itself: CUDA-safe, and no import per run.
+    `spawn` imports everything per child.
+    """
+    method = os.environ.get("DTA_BENCH_START_METHOD")
+    if method is None:
+        return "fork" if torch.version.cuda is None else "forkserver"
+    if method not in START_METHODS:
+        raise ValueError(f"DTA_BENCH_START_METHOD must be one of {START_METHODS}, got {method!r}")
+    return method
+
+
+def _context(method: str, preload: Sequence[str]):
+    ctx = multiprocessing.get_context(method)
+    if method == "forkserver":  # the server imports these once; its children fork from it (the first call starts it)
+        ctx.set_forkserver_preload(["torch", "transformers", __name__, *(m for m in preload if m != "__main__")])
+    return ctx
+
+
 class Worker:
-    """An object living in a forked child process, driven by method calls from the parent.
+    """An object living in a child process, driven by method calls from the parent.
 
     Each benchmark run (one method on one workload) gets its own process, so that its peak memory is its own, and
     several of them can stay alive side by side so that their steps can be interleaved (round-robin), which spreads
-    interference from other processes on a shared machine evenly over the methods. The parent must not have run any
-    torch computation before forking (OpenMP thread pools do not survive a fork); the child inherits the imported
-    modules, so no import time is paid per run. With `isolate=False` the object lives in-process (debugging).
+    interference from other processes on a shared machine evenly over the methods. The child starts as
+    [`start_method`] says (or `start`): with `fork` the parent must not have run any torch computation before
+    (OpenMP thread pools do not survive a fork) nor touched CUDA; `forkserver` and `spawn` need the factory and its
+    arguments picklable (a fork server imports the factory's module and the `preload` modules once). With
+    `isolate=False` the object lives in-process (debugging).
 
     Raises:
         `RuntimeError`: with the child's traceback when construction or a call failed, or the child died or timed
             out.
     """
 
-    def __init__(self, factory: Callable, *args, isolate: bool = True, timeout: float | None = None, **kwargs):
+    def __init__(self, factory: Callable, *args, isolate: bool = True, timeout: float | None = None,
+                 start: str | None = None, preload: Sequence[str] = (), **kwargs):
         self.isolate, self.timeout, self.proc, self.obj = isolate, timeout, None, None
         if not isolate:
             self.obj = factory(*args, **kwargs)
             return
-        ctx = multiprocessing.get_context("fork")
+        ctx = _context(start or start_method(), (factory.__module__, *preload))
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_serve, args=(child, factory, args, kwargs), daemon=True)
         self.proc.start()
@@ -306,13 +350,22 @@ class Worker:
             raise RuntimeError(value)
         return value
 
-    def call(self, name: str, *args):
+    def submit(self, name: str, *args) -> None:
+        """Start the call `name(*args)` without waiting; [`result`] returns its answer (workers run side by side)."""
         if not self.isolate:
-            return getattr(self.obj, name)(*args)
+            self._pending = getattr(self.obj, name)(*args)
+            return
         if self.proc is None:
             raise RuntimeError("benchmark worker is closed")
         self.conn.send((name, args))
-        return self._answer()
+
+    def result(self):
+        """The answer of the call [`submit`] started (raises as [`call`] does)."""
+        return self._pending if not self.isolate else self._answer()
+
+    def call(self, name: str, *args):
+        self.submit(name, *args)
+        return self.result()
 
     def close(self) -> None:
         if self.proc is None:
@@ -330,13 +383,19 @@ class Worker:
         self.proc = None
 
 
+def start_isolated(fn: Callable, *args, isolate: bool = True, timeout: float | None = None, **kwargs) -> Worker:
+    """Start `fn(*args, **kwargs)` in a child process (see [`Worker`]); `.result()` waits for its picklable result,
+    then `.close()` the worker. Several started at once run side by side."""
+    worker = Worker(_Call, fn, args, kwargs, isolate=isolate, timeout=timeout, preload=(fn.__module__,))
+    worker.submit("run")
+    return worker
+
+
 def run_isolated(fn: Callable, *args, isolate: bool = True, timeout: float | None = None, **kwargs):
-    """Run `fn(*args, **kwargs)` in a forked child process (see [`Worker`]) and return its picklable result."""
-    if not isolate:
-        return fn(*args, **kwargs)
-    worker = Worker(_Call, fn, args, kwargs, timeout=timeout)
+    """Run `fn(*args, **kwargs)` in a child process (see [`Worker`]) and return its picklable result."""
+    worker = start_isolated(fn, *args, isolate=isolate, timeout=timeout, **kwargs)
     try:
-        return worker.call("run")
+        return worker.result()
     finally:
         worker.close()
 

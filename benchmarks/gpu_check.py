@@ -1,46 +1,55 @@
-"""The Python steps of `benchmarks/gpu_check.sh`: environment, per-backend engine correctness, per-backend benchmarks.
+"""The checking steps of `benchmarks/gpu_check.sh`: the environment, per-backend engine correctness, and the dry run's
+stand-in for the GPU machine's Python image.
 
 ```
-python -m benchmarks.gpu_check env                 # versions, GPU, which attention backends run here
-python -m benchmarks.gpu_check correctness         # every backend vs the fp32 oracle, fp32 and bf16
-python -m benchmarks.gpu_check bench-small         # per backend at qwen3-1.7b (bf16); bench-large: qwen3-8b
-python -m benchmarks.gpu_check bench-memory        # issue 11's prefix-memory case at qwen3-8b
-python -m benchmarks.gpu_check all --dry-run       # the same on CPU with tiny shapes (checks the script itself)
+python -m benchmarks.gpu_check env                       # versions, the GPU, which attention backends run here
+python -m benchmarks.gpu_check correctness --out DIR     # every backend vs the float64 oracle: correctness.csv
+python -m benchmarks.gpu_check device-image DIR          # the dry run: DIR = this environment's packages that the
+                                                         # GPU machine's image has (benchmarks/gpu_image.txt)
 ```
 
-**Correctness.** Per model family (Qwen2: GQA; Qwen3: q/k norms; Mistral: sliding window; Gemma 2: soft-capping
-and window) and per attention backend, `DTAEngine.forward_backward` on a multi-turn tree (packed subtree rows and
-walked segments) against the per-sequence dense oracle in float32 (TF32 off): log-probs and every parameter
-gradient, as relative errors (to the largest reference value). fp32 passes at `FP32_TOL`; bf16 (the same weights
-rounded) passes when DTA's error is at most `2 x` the dense bf16 path's error `+ 1e-3`, the rule of the op-level
-test (`tests/kernels/test_two_part.py`): different exact kernels round differently, neither may be much worse.
+**Correctness.** Per model family (Qwen2: GQA; Qwen3: q/k norms; Mistral: sliding window; Gemma 2: soft-capping and
+window) and attention backend, `DTAEngine.forward_backward` on a multi-turn tree, as packed subtree rows
+(`max_pack_tokens=1024`) and as walked segments (`0`), against the per-sequence dense oracle: the same weights in
+float64 with the RMSNorms computed in float64 (`tests/conftest.py::use_input_dtype_norms`; stock norms compute in
+float32 even in a float64 model). Measured: the log-probs and all parameter gradients, each as one relative L2 error
+(`tests/bounds.py::relative_l2`), and the same for the dense path (`model(...)` per sequence) in the same precision.
+The bars are the test suite's (`tests/bounds.py`, whose docstrings derive them):
 
-**Benchmarks.** `benchmarks.run`'s grid (one fresh process per method and workload, bf16, one timed step after a
-warm-up) with `dense-mb8` (TRL's default micro-batch) and `dta-<backend>` for every backend that runs here: GRPO
-1024 x 16, multi-turn 9x and no-sharing (full sizes) at `qwen3-1.7b`; GRPO 4096 x 8 and multi-turn at `qwen3-8b`;
-and issue 11's prefix-memory case (prompt 4096, 4 / 32 / 128 completions of 32; `dta-sdpa` against `dta`) at
-`qwen3-8b`. CSV/PNG/markdown under `benchmarks/results/`. Running out of GPU memory is a result (the `dta-sdpa`
-reference holds the prompt's keys/values once per sibling: 0.6 GB each at 8B), shown in the error column; any other
-error fails the step.
+- `fp64` (the engine, its dispatch and the exact `math` parts on the device): DTA's error <= `FP64_TOL`, the suite's
+  float64 exactness bound. Not Gemma 2, whose eager attention runs its softmax in float32 whatever the dtype.
+- `fp32` (TF32 off) and `bf16-autocast` over float32 weights (TRL's default precision): DTA's error within
+  `forward_slack(n)` (log-probs) and `gradient_slack(m, n)` (gradients, `m` the most sequences sharing a token) times
+  the dense path's.
 
-Fails loudly: no CUDA (without `--dry-run`), a missing package, a failed check: a non-zero exit and a line saying
-what. flash-attn not installed: its backend is skipped with a line saying so.
+On CUDA the `torch` and `triton` backends run float32 and float64 parts on the exact `math` kernel (`triton_parts`,
+`torch_parts`), bf16 parts on their fused kernels. The dry run (CPU, Triton interpreted) rehearses: every precision
+and Triton on Mistral, bf16 autocast on the other families, packed rows only.
+
+Fails loudly: no CUDA (without `--dry-run`), a check over its bar: a non-zero exit and a line saying what. Backends
+that cannot run here (flash-attn not installed) are skipped with a line saying why.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import csv
+import importlib.metadata
+import io
 import importlib.util
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-RESULTS = Path("benchmarks/results")
-FP32_TOL = 1e-4
+FP64_TOL = 1e-10
+FAMILIES = ("qwen2", "qwen3", "mistral", "gemma2")
+FLOAT32_SOFTMAX = {"gemma2"}  # eager attention with a float32 softmax: no float64 oracle
+COLUMNS = ["family", "backend", "max_pack_tokens", "precision", "logp_err", "grad_err", "dense_logp_err",
+           "dense_grad_err", "logp_ratio", "grad_ratio", "bar", "ok", "device"]
+# Carried to the GPU machine as wheels (benchmarks/gpu_requirements.txt): the versions the package is tested with.
+REQUIRED = {"transformers": "5.24", "trl": "1.16"}
 
 
 def _say(msg: str) -> None:
@@ -60,8 +69,8 @@ def backends_here(device: torch.device) -> list[str]:
     from trl_dta.kernels import available_backends
 
     here = available_backends(device)
-    why = {"flash": "flash-attn >= 2.7 not installed (pip install 'flash-attn>=2.7' --no-build-isolation)"
-                    if importlib.util.find_spec("flash_attn") is None else "flash-attn does not load on this device",
+    why = {"flash": "flash-attn not installed (it is never built here: carry a prebuilt wheel in .whl/ to use it)"
+                    if importlib.util.find_spec("flash_attn") is None else "flash-attn's ops do not load here",
            "triton": "triton not installed" if importlib.util.find_spec("triton") is None else
                      "triton needs CUDA (or TRITON_INTERPRET=1 on CPU)"}
     for name in ("sdpa", "torch", "flash", "triton"):
@@ -70,32 +79,47 @@ def backends_here(device: torch.device) -> list[str]:
     return here
 
 
-def env(args) -> None:
+def env(args) -> bool:
+    """Versions and where each package was imported from; the GPU; the backends. False if a pin is not met."""
     import transformers
     import trl
 
-    _say(f"python {sys.version.split()[0]}  torch {torch.__version__} (cuda {torch.version.cuda})  "
-         f"transformers {transformers.__version__}  trl {trl.__version__}")
-    for name in ("triton", "flash_attn"):
+    ok = True
+    _say(f"python {sys.version.split()[0]}  torch {torch.__version__} (CUDA {torch.version.cuda})")
+    for name in ("transformers", "trl", "datasets", "accelerate", "peft", "triton", "flash_attn", "pyarrow",
+                 "tokenizers", "huggingface_hub"):
         spec = importlib.util.find_spec(name)
-        _say(f"{name}: {'installed' if spec else 'not installed'}")
+        try:
+            version = importlib.metadata.version(name.replace("_", "-"))
+        except importlib.metadata.PackageNotFoundError:
+            version = getattr(sys.modules.get(name), "__version__", "?") if spec else None
+        where = Path(spec.origin).parent.parent if spec and spec.origin else None
+        _say(f"  {name:16s} {version or 'not installed':12s} {where or ''}")
+    for name, minimum in REQUIRED.items():
+        version = {"transformers": transformers.__version__, "trl": trl.__version__}[name]
+        if tuple(int(x) for x in version.split(".")[:2]) < tuple(int(x) for x in minimum.split(".")):
+            _say(f"FAIL: {name} {version} < {minimum}: the carried wheels were not installed first on the path")
+            ok = False
     device = device_of(args.dry_run)
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(0)
-        _say(f"GPU {props.name}, {props.total_memory / 2**30:.0f} GiB, capability {props.major}.{props.minor}")
+        _say(f"GPU {props.name}, {props.total_memory / 2**30:.0f} GiB, capability {props.major}.{props.minor}, "
+             f"{props.multi_processor_count} SMs; TF32 matmul {torch.backends.cuda.matmul.allow_tf32}")
     _say(f"attention backends on {device.type}: {backends_here(device)}")
+    return ok
 
 
 # ---------------------------------------------------------------------------------------------- correctness
 
 
-def _family_model(family: str, dtype: torch.dtype, device, tiny: bool):
-    """A small model of `family` with random weights (perturbed norms), stock attention for the dense path."""
+def _family_model(family: str, device, tiny: bool):
+    """A small model of `family` in float64 with random weights (perturbed norms, so their gradients matter), the same
+    weights at every call."""
     import transformers
 
     dims = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                 vocab_size=256) if tiny else \
-        dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        dict(hidden_size=512, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
              vocab_size=1024)
     common = dict(num_hidden_layers=2, max_position_embeddings=4096, tie_word_embeddings=False, **dims)
     window = 24 if tiny else 96  # shorter than the sequences, so windows cut into the path
@@ -115,169 +139,210 @@ def _family_model(family: str, dtype: torch.dtype, device, tiny: bool):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
-    return model.to(device=device, dtype=dtype).eval()
+    return model.to(device=device, dtype=torch.float64).eval()
 
 
-def _oracle(model, seqs, loss_fn):
-    """Per-sequence dense forward/backward: log-probs (float32) and parameter gradients (float32)."""
+def _grads(model) -> dict[str, torch.Tensor]:
+    grads = {n: p.grad.double().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    logps = []
-    for i, s in enumerate(seqs):
-        logits = model(input_ids=s[None]).logits[0, :-1].float()  # (len - 1, vocab)
-        lp = torch.log_softmax(logits, -1).gather(-1, s[1:, None])[:, 0]
-        loss_fn(i, lp).backward()
-        logps.append(lp.detach())
-    grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return grads
+
+
+def _dense(model, seqs, loss_fn, autocast: bool):
+    """The per-sequence dense path (`tests/reference.py`; the oracle in float64): log-probs and parameter gradients."""
+    from tests.reference import dense_forward_backward
+
     model.zero_grad(set_to_none=True)
-    return logps, grads
+    with torch.autocast(seqs[0].device.type, dtype=torch.bfloat16, enabled=autocast):
+        _, logps, _ = dense_forward_backward(model, seqs, loss_fn, entropy=False)
+    return [lp.double() for lp in logps], _grads(model)
 
 
-def _errors(logps, grads, ref_logps, ref_grads) -> tuple[float, float]:
-    """Largest relative errors of the log-probs and of any parameter gradient (relative to the reference's max)."""
-    lp = max(((a.float() - b).abs().max() / b.abs().max().clamp(min=1e-12)).item()
-             for a, b in zip(logps, ref_logps) if b.numel())
-    g = max(((grads[n] - r).abs().max() / r.abs().max().clamp(min=1e-12)).item() for n, r in ref_grads.items())
-    return lp, g
-
-
-def _dta(model, backend, seqs, loss_fn, **engine_kw):
+def _dta(model, backend, seqs, loss_fn, autocast: bool, **engine_kw):
     from trl_dta import DTAEngine
 
     model.zero_grad(set_to_none=True)
-    out = DTAEngine(model, attn_backend=backend, **engine_kw).forward_backward(seqs, loss_fn)
-    grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return out.logps, grads
+    engine = DTAEngine(model, attn_backend=backend, **engine_kw)
+    with torch.autocast(seqs[0].device.type, dtype=torch.bfloat16, enabled=autocast):
+        out = engine.forward_backward(seqs, loss_fn)
+    return [lp.double() for lp in out.logps], _grads(model)
+
+
+def _errors(logps, grads, ref_logps, ref_grads) -> tuple[float, float]:
+    """Relative L2 errors of the log-probs (all sequences together) and of the gradients (all parameters)."""
+    from tests.bounds import relative_l2
+
+    return relative_l2(logps, ref_logps), relative_l2([grads[n] for n in ref_grads], list(ref_grads.values()))
+
+
+def _bar(precision: str, err, dense, n: tuple[int, int], sharing: int) -> tuple[list, bool, str]:
+    """`(ratios to the dense path, passed, the bar as text)`; `n`: the log-probs and gradient values compared."""
+    from tests.bounds import forward_slack, gradient_slack
+
+    if precision == "fp64":  # the dense float64 path is the oracle itself
+        return [None, None], max(err) <= FP64_TOL, f"<= {FP64_TOL:g}"
+    slacks = (forward_slack(n[0]), gradient_slack(sharing, n[1]))
+    ratios = [e / d if d > 0 else (0.0 if e == 0 else float("inf")) for e, d in zip(err, dense)]
+    return ratios, all(r <= k for r, k in zip(ratios, slacks)), f"<= {slacks[0]:.2f}x / {slacks[1]:.2f}x dense"
+
+
+def _cases(family: str, backends: list[str], dry_run: bool):
+    """`(precision, autocast, backend, max_pack_tokens)` checked for a family."""
+    precisions = [("fp32", False), ("bf16-autocast", True)]
+    if family not in FLOAT32_SOFTMAX:
+        precisions.insert(0, ("fp64", False))
+    # The dry run checks the script: every precision and the (slow) Triton interpreter on one family, packed rows.
+    rehearsal = dry_run and family != "mistral"
+    for precision, autocast in precisions[-1:] if rehearsal else precisions:
+        for backend in backends:
+            if rehearsal and backend == "triton":
+                continue
+            for pack in (1024,) if dry_run else (1024, 0):
+                yield precision, autocast, backend, pack
+
+
+def check_family(family: str, backends: list[str], dry_run: bool, path: Path) -> list[dict]:
+    """Every case of `family` (see the module docstring): one row each, printed and appended to `path` (CSV, its
+    header already written) as it is measured."""
+    from benchmarks import common, workloads
+    from tests.bounds import max_sharing
+    from tests.conftest import use_input_dtype_norms
+
+    device = device_of(dry_run)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    sizes = dict(system_len=40, task_len=6, turn_len=8) if dry_run else dict(system_len=300, task_len=20, turn_len=40)
+    exact = use_input_dtype_norms(_family_model(family, device, dry_run))  # the oracle, and the fp64 runs
+    models = {"fp64": exact, "fp32": _family_model(family, device, dry_run).to(torch.float32)}
+    models["bf16-autocast"] = models["fp32"]
+    w = workloads.multi_turn(n_tasks=2, group=4, turns=2, distinct=(2, 4), vocab_size=exact.config.vocab_size,
+                             **sizes)
+    seqs = [s.to(device) for s in w.seqs]
+    loss_fn = common.make_loss_fn(len(seqs), w.n_tokens)
+    ref = _dense(exact, seqs, loss_fn, autocast=False)
+    n = (sum(lp.numel() for lp in ref[0]), sum(g.numel() for g in ref[1].values()))
+    sharing = max_sharing(seqs)
+    dense, rows = {}, []
+    for precision, autocast, backend, pack in _cases(family, backends, dry_run):
+        model = models[precision]
+        if precision not in dense:
+            dense[precision] = _errors(*_dense(model, seqs, loss_fn, autocast), *ref)
+            _say(f"{family:8s} dense  {precision:13s} logp err {dense[precision][0]:.2e}  "
+                 f"grad err {dense[precision][1]:.2e}")
+        err = _errors(*_dta(model, backend, seqs, loss_fn, autocast, max_pack_tokens=pack), *ref)
+        ratios, good, bar = _bar(precision, err, dense[precision], n, sharing)
+        vs = ["" if r is None else f" ({r:.2f}x dense)" for r in ratios]
+        _say(f"{family:8s} {backend:6s} {precision:13s} pack={pack:<4d} logp {err[0]:.2e}{vs[0]} grad "
+             f"{err[1]:.2e}{vs[1]} [{bar}] {'OK' if good else 'FAIL'}")
+        rows.append(dict(family=family, backend=backend, max_pack_tokens=pack, precision=precision, logp_err=err[0],
+                         grad_err=err[1], dense_logp_err=dense[precision][0], dense_grad_err=dense[precision][1],
+                         logp_ratio=ratios[0], grad_ratio=ratios[1], bar=bar, ok=int(good), device=device.type))
+        _append(path, rows[-1])
+    return rows
 
 
 def correctness(args) -> bool:
-    from benchmarks import common, workloads
+    """`check_family` for every family, `--jobs` of them side by side (each compiles its own Triton variants)."""
+    from benchmarks import common
 
-    device = device_of(args.dry_run)
-    backends = backends_here(device)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    sizes = dict(system_len=40, task_len=6, turn_len=8) if args.dry_run else dict(system_len=300, task_len=20,
-                                                                                  turn_len=40)
+    backends = backends_here(device_of(args.dry_run))
+    jobs = args.jobs or (1 if args.dry_run else len(FAMILIES))
+    path = Path(args.out) / "correctness.csv"
+    if not path.exists():  # the header once, before the families' processes append their rows
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(",".join(COLUMNS) + "\n")
     ok = True
-    for family in ("qwen2", "qwen3", "mistral", "gemma2"):
-        model32 = _family_model(family, torch.float32, device, args.dry_run)
-        vocab = model32.config.vocab_size
-        w = workloads.multi_turn(n_tasks=2, group=4, turns=2, distinct=(2, 4), vocab_size=vocab, **sizes)
-        seqs = [s.to(device) for s in w.seqs]
-        loss_fn = common.make_loss_fn(len(seqs), w.n_tokens)
-        ref_lp, ref_g = _oracle(model32, seqs, loss_fn)
-        model16 = copy.deepcopy(model32).to(torch.bfloat16)
-        dense16 = _errors(*_oracle(model16, seqs, loss_fn), ref_lp, ref_g)
-        _say(f"{family:8s} dense bf16        logp err {dense16[0]:.2e}  grad err {dense16[1]:.2e}")
-        for backend in backends:
-            # The Triton interpreter (CPU) has no bf16 and is slow: there Triton runs fp32, packed rows only.
-            interpreted = backend == "triton" and device.type == "cpu"
-            for pack in (1024,) if interpreted else (1024, 0):  # packed subtree rows, then every segment walked
-                err32 = _errors(*_dta(model32, backend, seqs, loss_fn, max_pack_tokens=pack), ref_lp, ref_g)
-                good32 = max(err32) <= FP32_TOL
-                line = (f"{family:8s} {backend:6s} pack={pack:<4d} fp32 logp {err32[0]:.2e} grad {err32[1]:.2e} "
-                        f"{'OK' if good32 else 'FAIL'} | ")
-                good16 = True
-                if interpreted:
-                    line += "bf16 skipped (Triton interpreter: no bf16)"
-                else:
-                    err16 = _errors(*_dta(model16, backend, seqs, loss_fn, max_pack_tokens=pack), ref_lp, ref_g)
-                    good16 = all(e <= 2 * d + 1e-3 for e, d in zip(err16, dense16))
-                    line += f"bf16 logp {err16[0]:.2e} grad {err16[1]:.2e} {'OK' if good16 else 'FAIL'}"
-                ok &= good32 and good16
-                _say(line)
-        del model32, model16
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    _say("correctness: " + ("OK" if ok else "FAIL"))
+    for start in range(0, len(FAMILIES), jobs):
+        running = [common.start_isolated(check_family, family, backends, args.dry_run, path, isolate=jobs > 1)
+                   for family in FAMILIES[start:start + jobs]]
+        for family, worker in zip(FAMILIES[start:start + jobs], running):
+            try:
+                rows = worker.result()
+            except RuntimeError as e:  # the family's process failed: say so, go on with the others
+                _say(f"FAIL {family}: " + "\n".join(str(e).strip().splitlines()[-15:]))
+                ok, rows = False, []
+            finally:
+                worker.close()
+            ok &= all(row["ok"] for row in rows)
+    _say(f"correctness: {'OK' if ok else 'FAIL'} -> {path}")
     return ok
 
 
-# ---------------------------------------------------------------------------------------------- benchmarks
+def _append(path: Path, row: dict) -> None:
+    """One row in one write (processes append side by side)."""
+    line = io.StringIO()
+    csv.DictWriter(line, fieldnames=COLUMNS).writerow(
+        {k: ("" if v is None else f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()})
+    with open(path, "a", newline="") as f:
+        f.write(line.getvalue())
 
 
-def _failures(rows: list[dict]) -> list[str]:
-    """Errors other than running out of memory (a measurement: `dta-sdpa` holds a prompt copy per sibling)."""
-    return [f"{r['workload']}/{r['method']}: {r['error']}" for r in rows
-            if r.get("error") and "out of memory" not in r["error"].lower()]
+# ---------------------------------------------------------------------------------------------- the dry run's image
 
 
-def _bench_setup(dry_run: bool):
-    """Shapes, workloads, prefix-memory sizes, dtype and file stem of the benchmark steps."""
-    from benchmarks import workloads
-    from trl_dta.flops import ModelShape, get_model_shape
+def device_image(args) -> bool:
+    """Link into `args.dir` the packages of this environment that the GPU machine's image has (a name per line in
+    `benchmarks/gpu_image.txt`), with their metadata, and what this environment's versions of them require (their
+    versions can differ from the image's), never the packages the GPU machine gets as wheels
+    (`benchmarks/gpu_requirements.txt`). A `.pth` file naming that folder then gives a fresh environment the GPU
+    machine's packages, so that the dry run's install must supply the rest exactly as there."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
 
-    if dry_run:
-        tiny = ModelShape(64, 96, 2, 4, 2, 16, 256, name="gpu-check-dry")
-        return dict(shapes={"small": tiny, "large": tiny},
-                    suites={"small": [workloads.grpo(48, 4, 12, vocab_size=256),
-                                      workloads.multi_turn(scale=0.02, vocab_size=256)],
-                            "large": [workloads.grpo(64, 3, 8, vocab_size=256)]},
-                    memory=dict(siblings=(2, 8), prompt=128, completion=8), dtype="fp32", name="gpu-check-dry")
-    full = workloads.suite("full", vocab_size=32768)
-    return dict(shapes={"small": get_model_shape("qwen3-1.7b"), "large": get_model_shape("qwen3-8b")},
-                suites={"small": workloads.by_name(full, ["grpo-p1024-g16-c256", "multiturn-9x", "no-sharing"]),
-                        "large": workloads.by_name(full, ["grpo-p4096-g8-c512", "multiturn-9x"])},
-                memory=dict(siblings=(4, 32, 128), prompt=4096, completion=32), dtype="bf16", name="gpu-check")
+    def names_in(path):
+        return [line.split("==")[0].strip() for line in Path(path).read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
 
-
-def _bench_suite(args, size: str) -> bool:
-    from benchmarks import common
-    from benchmarks.bench_engine import MethodConfig, run_grid
-
-    device = device_of(args.dry_run)
-    setup = _bench_setup(args.dry_run)
-    shape = setup["shapes"][size]
-    methods = ["dense-mb8"] + [f"dta-{name}" for name in backends_here(device)]
-    start = time.perf_counter()
-    rows = run_grid(setup["suites"][size], methods, shape, device.type, setup["dtype"], MethodConfig(), rounds=1,
-                    threads=1 if args.dry_run else None)
-    path = common.write_csv(rows, RESULTS / f"{setup['name']}-{size}-{shape.name}.csv")
-    _say(f"\n{shape.name}, {setup['dtype']}, {time.perf_counter() - start:.0f} s -> {path}, {common.plot(path)}")
-    _say(common.markdown_table(rows))
-    return _report("bench-" + size, _failures(rows))
-
-
-def bench_memory(args) -> bool:
-    """Issue 11's prefix-memory case at the large shape: the reference (`dta-sdpa`) against the default (`dta`)."""
-    from benchmarks import common
-    from benchmarks.bench_engine import PREFIX_MEMORY_COLUMNS, plot_prefix_memory, prefix_memory
-
-    device = device_of(args.dry_run)
-    setup = _bench_setup(args.dry_run)
-    start = time.perf_counter()
-    rows = prefix_memory(methods=["dta-sdpa", "dta"], shape=setup["shapes"]["large"], device=device.type,
-                         dtype=setup["dtype"], rounds=1, threads=1 if args.dry_run else None, **setup["memory"])
-    path = common.write_csv(rows, RESULTS / f"{setup['name']}-prefix-memory.csv")
-    _say(f"\nprefix memory at {setup['shapes']['large'].name}, {time.perf_counter() - start:.0f} s -> {path}, "
-         f"{plot_prefix_memory(rows, path.with_suffix('.png'))}")
-    _say(common.markdown_table(rows, PREFIX_MEMORY_COLUMNS))
-    return _report("bench-memory", _failures(rows))
+    carried = {canonicalize_name(n) for n in names_in(Path(args.image_list).with_name("gpu_requirements.txt"))}
+    todo, seen, linked = list(names_in(args.image_list)), set(), []
+    dest = Path(args.dir)
+    dest.mkdir(parents=True, exist_ok=True)
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in seen or name in carried:
+            continue
+        seen.add(name)
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for line in dist.requires or []:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+        tops = {f.parts[0] for f in dist.files or [] if f.parts and f.parts[0] not in ("..", "__pycache__")
+                and not f.parts[0].endswith(".pth")}
+        for top in tops:
+            source, target = Path(dist.locate_file(top)), dest / top
+            if source.exists() and not target.exists():
+                target.symlink_to(source)
+        linked.append(name)
+    _say(f"device image: {len(linked)} packages linked into {dest} (the image's {len(names_in(args.image_list))} "
+         f"names that exist here, with their requirements; not {sorted(carried)})")
+    return True
 
 
-def _report(step: str, failures: list[str]) -> bool:
-    _say(f"{step}: " + ("OK" if not failures else "FAIL\n  " + "\n  ".join(failures)))
-    return not failures
-
-
-STEPS = {"env": env, "correctness": correctness, "bench-small": lambda args: _bench_suite(args, "small"),
-         "bench-large": lambda args: _bench_suite(args, "large"), "bench-memory": bench_memory}
+STEPS = {"env": env, "correctness": correctness, "device-image": device_image}
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("step", choices=[*STEPS, "all"])
+    p.add_argument("step", choices=list(STEPS))
+    p.add_argument("dir", nargs="?", help="device-image: the folder to fill")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: check the script, not the GPU")
+    p.add_argument("--out", default="benchmarks/results/gpu-check", help="correctness: where correctness.csv goes")
+    p.add_argument("--jobs", type=int, default=None, help="correctness: families side by side (GPU: all, CPU: 1)")
+    p.add_argument("--image-list", default=str(Path(__file__).with_name("gpu_image.txt")))
     args = p.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.dry_run and not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton backend runs in the interpreter
-    steps = list(STEPS) if args.step == "all" else [args.step]
-    failed = [s for s in steps if STEPS[s](args) is False]
-    if failed:
-        raise SystemExit(f"FAIL: {failed}")
+    if STEPS[args.step](args) is False:
+        raise SystemExit(f"FAIL: {args.step}")
 
 
 if __name__ == "__main__":
-    main()
+    # Run from the importable module, so that `check_family` pickles as `benchmarks.gpu_check.check_family`.
+    from benchmarks.gpu_check import main as _main
+
+    _main()

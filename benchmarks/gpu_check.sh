@@ -1,61 +1,164 @@
 #!/usr/bin/env bash
-# GPU check in one command, within about 8 minutes on one H100/H200-class GPU (issue 11, item 5):
-#   1. environment: versions, the GPU, which attention backends run (flash-attn missing: flash skipped, said so);
-#   2. correctness: every backend's DTAEngine.forward_backward vs the per-sequence fp32 oracle (log-probs, every
-#      parameter gradient) on Qwen2 / Qwen3 / Mistral (window) / Gemma 2 (soft-cap) in fp32 and in bf16 (no worse
-#      than the dense bf16 path), packed subtree rows and walked segments;
-#   3. the kernel tests on the GPU (flash-attn, Triton and torch's CUDA kernels against the float64 reference);
-#   4. benchmarks per backend (dense-mb8 beside dta-<backend>, bf16): three workloads at qwen3-1.7b, two at qwen3-8b,
-#      and issue 11's prefix-memory case at qwen3-8b; CSV/PNG/markdown under benchmarks/results/gpu-check-*.
-# Every step has a time limit (550 s in all, worst case); a missing prerequisite stops the script at once with a line
-# saying what is missing; a failed check sets a non-zero exit status and the later steps still run.
-# Usage (repository root or anywhere; an environment with torch+CUDA, transformers, trl, this package, triton and
-# optionally flash-attn>=2.7):
-#   bash benchmarks/gpu_check.sh                  # exit status 0 = every check passed
-#   bash benchmarks/gpu_check.sh --dry-run        # CPU, tiny shapes, no GPU: checks the script itself (~minutes)
-#   OUT=/some/dir bash benchmarks/gpu_check.sh    # also copies the results and the log there
+# The GPU check in one unattended command (issue 23): on a lent H200, within GPU_CHECK_BUDGET seconds (480 by default)
+# including the install, every step under its own time limit and the whole under the budget's deadline.
+#
+#   bash benchmarks/gpu_check.sh                   # on the GPU machine, from a checkout carrying .whl/
+#   bash benchmarks/gpu_check.sh --dry-run         # on a CPU: the same steps at tiny sizes, installed the same way
+#   GPU_CHECK_BUDGET=200 bash benchmarks/gpu_check.sh --only throughput-1.7b   # a rerun of some steps (versions,
+#                                                  # install, env and summary always run)
+#
+# Steps, in priority order (a step that cannot finish before the deadline is skipped, with a line saying so):
+#   versions     nvidia-smi, Python, the packages already there; no CUDA: stop (without --dry-run)
+#   install      the wheels of .whl/ (benchmarks/gpu_wheels.sh, run where pip works) for the pins of
+#                benchmarks/gpu_requirements.txt, `pip install --no-index --no-deps --target`; never builds flash-attn
+#                (a flash-attn wheel put into .whl/ is installed and used; else its backend is skipped, said so)
+#   env          versions again, from where each package is imported; the GPU; the attention backends
+#   correctness  every backend's DTAEngine.forward_backward vs the float64 oracle, fp32 and bf16 autocast, no worse
+#                than the dense path (Qwen2, Qwen3, Mistral window, Gemma 2 soft-cap; packed rows and walked segments)
+#   throughput-1.7b  dense-ckpt, dense, sparse, dta-torch, dta-triton on tau2-airline and grpo-p1024-g16-c256
+#   kernels      tests/kernels on CUDA (bf16/fp16 cases per backend, head_dim, mask kind)
+#   trainer      GRPOTrainer vs DTAGRPOTrainer with TRL's defaults, Qwen3-0.6B
+#   prefix-memory    4096-token prompt, 4/32/128 siblings, Qwen3-1.7B
+#   throughput-0.6b  the throughput grid at Qwen3-0.6B
+#   variants     the Triton variants compiled by this machine's Triton for sm_90: registers, spills, shared memory
+#   summary      summary.md and throughput.png; in a dry run, fails unless every planned row was measured
+# Output: everything under $OUT (the device tool's folder; else benchmarks/results/gpu-check[-dry]): gpu_check.log
+# (this script's whole output, from its first line), correctness.csv, throughput.csv, trainer.csv, prefix_memory.csv,
+# triton_variants.csv, summary.md, throughput.png; each CSV row is appended the moment it is measured.
+# Exit status: 0 when every step that ran passed.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false
+REPO=$PWD
 DRY=""
-SLOW=1  # time limits x SLOW: the dry run's Triton kernels run in the (slow) interpreter on a CPU
-[ "${1:-}" = "--dry-run" ] && DRY="--dry-run" && SLOW=6
-TAG=$([ -n "$DRY" ] && echo gpu-check-dry || echo gpu-check)
-LOG=benchmarks/results/$TAG.log
-mkdir -p benchmarks/results
+ONLY=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --dry-run) DRY="--dry-run" ;;
+        --only) ONLY=",$2,"; shift ;;
+        *) echo "usage: bash benchmarks/gpu_check.sh [--dry-run] [--only STEP,STEP]"; exit 2 ;;
+    esac
+    shift
+done
+OUT=${OUT:-$REPO/benchmarks/results/gpu-check${DRY:+-dry}}
+mkdir -p "$OUT"
+LOG=$OUT/gpu_check.log
 : > "$LOG"
+exec > >(tee -a "$LOG") 2>&1
+TEE=$!
+trap 'exec >&- 2>&-; wait "$TEE" 2>/dev/null' EXIT  # the log complete before the files are collected
+BUDGET=${GPU_CHECK_BUDGET:-480}
+START=$(date +%s)
+SLOW=1  # the dry run's Triton kernels run in the (slow) interpreter on 2 CPU cores: time limits x 4
+[ -n "$DRY" ] && SLOW=4
+# The steps end by the deadline (a step killed there gets 10 s to go); the summary's 30 s come after it.
+DEADLINE=$((START + BUDGET * SLOW - 40))
+WORK=${GPU_CHECK_WORK:-/tmp/gpu-check}
+# Named site-packages on purpose: dill (datasets' fingerprints) pickles the modules of packages found outside such a
+# folder by value, and fails on pyarrow's types (the dry run's image folder is named so for the same reason).
+SITE=$WORK/site-packages
+PY=python3
 status=0
-step() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
-die() { echo "FAIL: $*" | tee -a "$LOG"; exit 1; }
-run() {  # run LIMIT_S CMD...: the command's output to the log; a non-zero exit (or the time limit) fails the check
-    local limit=$(($1 * SLOW)); shift
-    timeout "$limit" "$@" 2>&1 | grep --line-buffered -v -i "warn" | tee -a "$LOG"
-    local rc=${PIPESTATUS[0]}
-    [ "$rc" -eq 124 ] && echo "FAIL: time limit ${limit}s reached: $*" | tee -a "$LOG"
-    [ "$rc" -eq 0 ] || status=1
+export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 TRL_EXPERIMENTAL_SILENCE=1 DTA_BENCH_START_METHOD=forkserver
+echo "gpu_check $(date -u +%FT%TZ) ${DRY:-(GPU run)} budget ${BUDGET}s x $SLOW, out $OUT"
+
+wanted() { [ -z "$ONLY" ] || [[ ",versions,install,env,summary,$ONLY" == *",$1,"* ]]; }
+# step NAME LIMIT_S CMD...: run CMD under min(LIMIT x SLOW, time to the deadline); say how it ended
+step() {
+    local name=$1 limit=$(($2 * SLOW)); shift 2
+    wanted "$name" || return 0
+    local left=$((DEADLINE - $(date +%s)))
+    if [ "$left" -lt 20 ]; then echo "=== $name: SKIPPED (${left}s left before the deadline)"; return 0; fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    echo "=== $name (limit ${limit}s, $(date +%T))"
+    local t0=$(date +%s)
+    timeout --kill-after=10 "$limit" "$@"
+    local rc=$?
+    local took=$(($(date +%s) - t0))
+    if [ "$rc" -eq 0 ]; then echo "=== $name: OK (${took}s)"
+    elif [ "$rc" -ge 124 ]; then echo "=== $name: FAIL, time limit ${limit}s reached"; status=1
+    else echo "=== $name: FAIL (exit $rc, ${took}s)"; status=1; fi
     return "$rc"
 }
 
-step "environment"
-python -c "import torch, transformers, trl, trl_dta" 2>>"$LOG" ||
-    die "torch, transformers, trl and trl_dta must import (pip install -e '.[dev,gpu]')"
-run 60 python -m benchmarks.gpu_check env $DRY || die "no usable environment (see above)"
+versions() {
+    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem \
+        --format=csv || echo "nvidia-smi: not here"
+    uname -srm; echo "cores $(nproc)"; $PY --version
+    $PY - <<'PY'
+import importlib.metadata as md
+for name in ("torch", "triton", "transformers", "accelerate", "peft", "huggingface-hub", "tokenizers", "pyarrow",
+             "numpy", "trl", "datasets", "flash-attn", "pytest-xdist"):
+    try:
+        print(f"  {name:16s} {md.version(name)}")
+    except md.PackageNotFoundError:
+        print(f"  {name:16s} not installed")
+import torch
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, cuda available: {torch.cuda.is_available()}")
+PY
+}
 
-step "engine correctness per backend (fp32; bf16 no worse than dense bf16)"
-run 100 python -m benchmarks.gpu_check correctness $DRY
+# The dry run's stand-in for the GPU machine: a fresh environment holding only the packages of its image that exist
+# here (benchmarks/gpu_image.txt), so that the carried wheels must supply the rest.
+dry_environment() {
+    rm -rf "$WORK" && mkdir -p "$WORK"
+    python3 -m benchmarks.gpu_check device-image "$WORK/image/site-packages" || return 1
+    python3 -m venv --without-pip "$WORK/venv" || return 1  # this environment's pip installs into it (below)
+    local site_dir
+    site_dir=$("$WORK/venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    echo "$WORK/image/site-packages" > "$site_dir/gpu_image.pth"
+    PY=$WORK/venv/bin/python
+    echo "fresh environment $WORK/venv with the image's packages linked from $WORK/image/site-packages"
+}
 
-if [ -z "$DRY" ]; then
-    step "kernel tests on the GPU (flash-attn, Triton, torch CUDA kernels vs the float64 reference)"
-    run 90 python -m pytest -x -q -p no:cacheprovider tests/kernels
+install() {
+    ls .whl/*.whl >/dev/null 2>&1 || { echo "no .whl/: run 'bash benchmarks/gpu_wheels.sh' where pip works and carry .whl"; return 1; }
+    rm -rf "$SITE"
+    local extra=()
+    ls .whl/flash_attn-*.whl >/dev/null 2>&1 && extra=(flash-attn) && echo "flash-attn wheel found: installing it"
+    $PIP install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --disable-pip-version-check \
+        --target "$SITE" --find-links .whl -r benchmarks/gpu_requirements.txt "${extra[@]}" || return 1
+    ls "$SITE"
+}
+
+if [ -n "$DRY" ]; then
+    export TRITON_INTERPRET=1
+    step versions 30 bash -c "$(declare -f versions); PY=python3; versions"
+    step install 120 bash -c "$(declare -f dry_environment install); WORK='$WORK' SITE='$SITE' PIP='python3 -m pip'; dry_environment && install"
+    [ -x "$WORK/venv/bin/python" ] && PY=$WORK/venv/bin/python
+else
+    step versions 30 bash -c "$(declare -f versions); PY='$PY'; versions"
+    $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" ||
+        { echo "FAIL: no CUDA device here (torch.cuda.is_available() is False); --dry-run runs on a CPU"; exit 1; }
+    step install 60 bash -c "$(declare -f install); SITE='$SITE' PIP='$PY -m pip'; install"
 fi
+export PYTHONPATH="$REPO:$SITE"
+[ -d "$SITE" ] || { echo "FAIL: nothing installed into $SITE"; exit 1; }
 
-step "benchmarks per backend: qwen3-1.7b"
-run 120 python -m benchmarks.gpu_check bench-small $DRY
-step "benchmarks per backend: qwen3-8b"
-run 100 python -m benchmarks.gpu_check bench-large $DRY
-step "prefix memory (prompt 4096, 4/32/128 siblings): qwen3-8b"
-run 80 python -m benchmarks.gpu_check bench-memory $DRY
-
-step "done (status $status)"
-if [ -n "${OUT:-}" ]; then cp benchmarks/results/"$TAG"* "$OUT"/ 2>/dev/null; fi
+step env 60 $PY -m benchmarks.gpu_check env $DRY || { echo "FAIL: the environment is not usable (above)"; exit 1; }
+step correctness 100 $PY -m benchmarks.gpu_check correctness --out "$OUT" $DRY
+step throughput-1.7b 170 $PY -m benchmarks.gpu_bench throughput --shape qwen3-1.7b --out "$OUT" --deadline "$DEADLINE" $DRY
+if [ -n "$DRY" ]; then  # the CPU cases run in the main test suite: here only the collection and the CUDA skips
+    step kernels 60 $PY -m pytest -q -p no:cacheprovider tests/kernels --ignore=tests/kernels/test_triton_compile.py -k cuda
+else
+    XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
+    step kernels 90 $PY -m pytest -q -p no:cacheprovider tests/kernels --ignore=tests/kernels/test_triton_compile.py \
+        -k "cuda and not cpu" $XDIST
+fi
+step trainer 70 $PY -m benchmarks.gpu_bench trainer --shape qwen3-0.6b --out "$OUT" --deadline "$DEADLINE" $DRY
+step prefix-memory 50 $PY -m benchmarks.gpu_bench prefix-memory --shape qwen3-1.7b --out "$OUT" --deadline "$DEADLINE" $DRY
+step throughput-0.6b 70 $PY -m benchmarks.gpu_bench throughput --shape qwen3-0.6b --out "$OUT" --deadline "$DEADLINE" $DRY
+if [ -n "$DRY" ]; then
+    step variants 60 env -u TRITON_INTERPRET $PY -m benchmarks.triton_variants --arch 90 --dtype bf16 --max-variants 3 \
+        --jobs 1 --out "$OUT/triton_variants.csv"
+else
+    step variants 40 $PY -m benchmarks.triton_variants --arch 90 --dtype bf16 fp16 --jobs "$(nproc)" \
+        --out "$OUT/triton_variants.csv"
+fi
+EXPECT=(throughput=qwen3-1.7b trainer=qwen3-0.6b prefix-memory=qwen3-1.7b throughput=qwen3-0.6b)
+if wanted summary; then  # always, also past the deadline: it only reads the CSVs
+    echo "=== summary ($(date +%T))"
+    timeout 30 $PY -m benchmarks.gpu_bench summary --out "$OUT" --expect "${EXPECT[@]}" $DRY || status=1
+fi
+echo "gpu_check done in $(($(date +%s) - START))s, status $status; files in $OUT:"
+ls -l "$OUT"
 exit $status

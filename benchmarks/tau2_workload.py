@@ -14,14 +14,21 @@ Lengths are those of a real BPE tokenizer: litellm's bundled DeepSeek tokenizer 
 dependency of tau2), with the chat template's special tokens added. For training on a small benchmark model the ids
 are relabelled compactly ([`compact_ids`]): every distinct token id of the batch gets its own small id, so the prefix
 trees (what DTA shares) are exactly those of the real tokenizer.
+
+The GPU check needs no tau2 on its machine: `python -m benchmarks.tau2_workload --write` plays the episodes once here
+and writes their token ids (the real BPE's, all below Qwen3's vocabulary of 151,936) with each agent turn's span to
+`TOKEN_FILE` ([`write_token_file`]); `workloads.tau2_airline` reads it back.
 """
 
 from __future__ import annotations
 
+import argparse
+import gzip
 import json
 from pathlib import Path
 
 DOMAINS = ("airline", "retail", "telecom", "mock")
+TOKEN_FILE = Path(__file__).parent / "data" / "tau2-airline.json.gz"
 _CONFIRM = "Before we go on, could you please confirm your name and user id?"
 
 
@@ -186,3 +193,59 @@ def _plot_stats(rows, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def write_token_file(path: str | Path = TOKEN_FILE, domain_name: str = "airline", tasks: int = 8,
+                     group: int = 4) -> dict:
+    """Play `group` gold-action variants of the first `tasks` tasks (see [`gold_episodes`]) and write their token ids.
+
+    The file (gzipped JSON) holds the prefix every episode shares (system prompt, tool schemas) once, then per
+    episode its task, variant, reward, the ids after the prefix and the `[start, end)` span of each agent turn in the
+    whole conversation. Returns the written dict.
+    """
+    from trl_dta.envs.tau2 import Tau2Domain
+
+    tokenizer = bpe_chat_tokenizer()
+    domain = Tau2Domain(domain_name)
+    task_ids = domain_task_ids(domain, tasks)
+    episodes = gold_episodes(domain, task_ids, group, tokenizer)
+    shared = min(next((i for i, (a, b) in enumerate(zip(e.ids, episodes[0].ids)) if a != b), len(e.ids))
+                 for e in episodes)
+    data = {
+        "domain": domain_name,
+        "tokenizer": "litellm's deepseek_tokenizer.json with TRL's qwen2_5 chat template (bpe_chat_tokenizer)",
+        "vocab_size": len(tokenizer),
+        "command": f"python -m benchmarks.tau2_workload --write --domain {domain_name} --tasks {tasks} "
+                   f"--group {group}",
+        "prefix": episodes[0].ids[:shared],
+        "episodes": [{"task": e.task_id, "variant": i % group, "reward": e.reward.reward, "ids": e.ids[shared:],
+                      "turns": [[t.start, t.end] for t in e.turns]} for i, e in enumerate(episodes)],
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(path, "wt") as f:
+        json.dump(data, f, separators=(",", ":"))
+    return data
+
+
+def read_token_file(path: str | Path = TOKEN_FILE) -> dict:
+    """The dict [`write_token_file`] wrote (no tau2 needed)."""
+    with gzip.open(path, "rt") as f:
+        return json.load(f)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description="Write the tau2 token-id file of the GPU check (needs trl-dta[tau2]).")
+    p.add_argument("--write", action="store_true", required=True)
+    p.add_argument("--domain", default="airline", choices=DOMAINS)
+    p.add_argument("--tasks", type=int, default=8)
+    p.add_argument("--group", type=int, default=4)
+    p.add_argument("--out", default=str(TOKEN_FILE))
+    args = p.parse_args(argv)
+    data = write_token_file(args.out, args.domain, args.tasks, args.group)
+    n = sum(len(e["ids"]) for e in data["episodes"]) + len(data["prefix"])
+    print(f"wrote {args.out}: {len(data['episodes'])} episodes, shared prefix {len(data['prefix'])} tokens, {n} ids")
+
+
+if __name__ == "__main__":
+    main()

@@ -11,6 +11,9 @@
   benchmarks such as tau^2-bench airline measure 9.4x); `MULTI_TURN_3X` is about 3x.
 * **No sharing** `no_sharing(N, L)`: `N` sequences of `L` tokens with distinct first tokens (compression 1.0), the
   control where a tree method can only lose.
+* **tau2-bench airline** `tau2_airline(tasks, group)`: real agent episodes (gold actions and variants of them, tau2's
+  system prompt, tool schemas and database outputs, a real BPE) in the per-turn layout (one row per agent turn, the
+  conversation up to it), read from the token file `tau2_workload.write_token_file` wrote; no tau2 needed.
 
 Sibling branches get distinct first tokens, so that the trie's shape (and the compression ratio) is exactly the one
 intended, not blurred by chance collisions of random tokens.
@@ -246,3 +249,44 @@ def by_name(workloads: list[Workload], names: list[str] | None) -> list[Workload
     if missing:
         raise ValueError(f"unknown workload(s) {missing}; choose from {list(known)}")
     return [known[n] for n in names]
+
+
+def tau2_airline(tasks: int = 1, group: int = 4, vocab_size: int = 151936, prefix_tokens: int | None = None,
+                 max_turns: int | None = None, path=None) -> Workload:
+    """Per-turn rows of the first `group` episodes of each of the first `tasks` tasks of the tau2 token file.
+
+    Args:
+        tasks (`int`, *optional*, defaults to `1`): tasks (of the file's, in order).
+        group (`int`, *optional*, defaults to `4`): episodes per task (variants `0 .. group - 1`).
+        vocab_size (`int`, *optional*, defaults to `151936`, Qwen3's): ids at or above it are folded into
+            `[FIRST_ID, vocab_size)` (identical ids stay identical; distinct ones may then collide).
+        prefix_tokens (`int`, *optional*): keep only the first `prefix_tokens` of the prefix every episode shares
+            (system prompt and tools; the tree's shape below it is unchanged): the dry run's small sizes.
+        max_turns (`int`, *optional*): only the first `max_turns` agent turns of each episode.
+        path (*optional*): the token file (default `tau2_workload.TOKEN_FILE`).
+    """
+    from .tau2_workload import TOKEN_FILE, read_token_file
+
+    data = read_token_file(path or TOKEN_FILE)
+    prefix = data["prefix"]
+    keep = len(prefix) if prefix_tokens is None else min(prefix_tokens, len(prefix))
+    order = list(dict.fromkeys(e["task"] for e in data["episodes"]))[:tasks]
+    if len(order) < tasks:
+        raise ValueError(f"the token file holds {len(order)} tasks, {tasks} asked for")
+    seqs = []
+    for task in order:
+        episodes = [e for e in data["episodes"] if e["task"] == task][:group]
+        if len(episodes) < group:
+            raise ValueError(f"task {task} has {len(episodes)} episodes in the token file, {group} asked for")
+        for e in episodes:
+            ids = torch.tensor(prefix[:keep] + e["ids"], dtype=torch.long)
+            for start, end in e["turns"][:max_turns]:
+                seqs.append(ids[: end - (len(prefix) - keep)])
+    seqs = [torch.where(s < vocab_size, s, s % (vocab_size - FIRST_ID) + FIRST_ID) for s in seqs]
+    return Workload(
+        name="tau2-airline",
+        seqs=seqs,
+        description=f"tau2 airline, {tasks} task(s) x {group} episodes, per-turn rows ({len(seqs)}), shared prefix "
+                    f"{keep} of {len(prefix)} tokens" + (f", first {max_turns} turns" if max_turns else ""),
+        params=dict(tasks=tasks, group=group, prefix_tokens=keep, max_turns=max_turns, vocab_size=vocab_size),
+    )

@@ -5,9 +5,10 @@ A page asks for a generated part with a marker line, replaced when the page is b
 - `<!-- generated: dta-parameters -->` (`config.md`): every `dta_*` field of `trl_dta.trainers.config.DTAArguments`
   with its type, default and help text (`dta_parameters_markdown`, the same source as the configs' docstrings).
 - `<!-- generated: analyze-help -->` (`analyzer.md`): `trl-dta analyze --help`, from the command's own parser.
-- `<!-- generated: refusals -->` (`troubleshooting.md`): every error `trl_dta` raises (`raise SomeError(message)`),
-  read from the source with `ast`, grouped by what the user was doing ([`GROUPS`]), each with the function that
-  raises it. A module that raises and belongs to no group fails the build.
+- `<!-- generated: refusals -->` (`troubleshooting.md`): every error `trl_dta` raises (`raise SomeError(message)`)
+  and every blocker it can name in its one model refusal (`Blocker(feature, settings=..., fix=...)`, raised together
+  as a `DTAUnsupportedError`), read from the source with `ast`, grouped by what the user was doing ([`GROUPS`]), each
+  with the function that raises it. A module that raises and belongs to no group fails the build.
 
 `mkdocs.yml` names this file under `hooks:`; `tests/test_docs.py` checks the generators without building the site.
 """
@@ -34,7 +35,7 @@ GROUPS = (
      ("trl_dta/trainers/",)),
     ("A model DTA cannot reproduce", "giving the engine or a trainer a model: the family rules, the four-token probe, "
      "the attention's own checks, the hybrids' recurrent layers",
-     ("trl_dta/models.py", "trl_dta/attention.py", "trl_dta/recurrent/")),
+     ("trl_dta/models.py", "trl_dta/refusal.py", "trl_dta/attention.py", "trl_dta/recurrent/")),
     ("Several processes", "`accelerate launch`, DDP, FSDP2, DeepSpeed: the distributed settings DTA refuses",
      ("trl_dta/parallel/", "trl_dta/distributed.py")),
     ("Calling the engine", "`DTAEngine`, `PrefixTree` and the kernels directly",
@@ -133,8 +134,39 @@ def _render(node: ast.expr, names: dict[str, ast.expr], depth: int = 0) -> str:
     return f"⟨{ast.unparse(node)}⟩"
 
 
+def _blocker(call: ast.Call, names: dict[str, ast.expr]) -> str | None:
+    """The text `Blocker.describe` gives a `Blocker(feature, settings={...}, where=..., fix=...)` (or a
+    `replace(blocker, feature=...)`) written in the source, else None (not a blocker, or one without a feature of its
+    own: a template whose feature is filled in where it is used)."""
+    func = ast.unparse(call.func)
+    kwargs = {k.arg: k.value for k in call.keywords if k.arg}
+    if func == "Blocker" and call.args:
+        feature = call.args[0]
+    elif func == "replace" and "feature" in kwargs:
+        feature = kwargs["feature"]
+    else:
+        return None
+    text = _render(feature, names)
+    if not text.strip():
+        return None
+    settings, fix = kwargs.get("settings"), kwargs.get("fix")
+    where = {"MODEL_CONFIG": "model config", "TRAINER_CONFIG": "trainer's config"}.get(
+        ast.unparse(kwargs.get("where", ast.Constant(""))), "config")
+    if isinstance(settings, ast.Dict) and settings.keys:
+        pairs = ", ".join(f"`{_render(k, names)}={ast.unparse(v)}`" for k, v in zip(settings.keys, settings.values))
+        return f"{text}. Fix: set {pairs} in the {where}."
+    if settings is not None:  # built at run time, e.g. `{name: 0.0 for name in noisy}`
+        return f"{text}. Fix: set ⟨{ast.unparse(settings)}⟩ in the {where}."
+    if fix is not None:
+        return f"{text}. Fix: {_render(fix, names)}."
+    if func == "replace":  # the template's fix, named where it is used
+        return f"{text}. Fix: as the message names it."
+    return f"{text}. No setting removes it."
+
+
 def collect_refusals(package: Path = PACKAGE) -> list[dict]:
-    """Every `raise SomeError(message, ...)` under `package`: module path, function, exception, message."""
+    """Every `raise SomeError(message, ...)` and every `Blocker(...)` under `package`: module path, function,
+    exception (`DTAUnsupportedError` for a blocker: they are raised together in one), message."""
     found = []
     for path in sorted(package.rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -153,6 +185,10 @@ def collect_refusals(package: Path = PACKAGE) -> list[dict]:
                     for k, v in entries:
                         visit(child, function, {**names, key: ast.Constant(k), value: v})
                     continue
+                if isinstance(child, ast.Call) and (text := _blocker(child, names)):
+                    found.append({"module": path.relative_to(package.parent).as_posix(), "function": function,
+                                  "line": child.lineno, "exception": "DTAUnsupportedError",
+                                  "message": " ".join(text.split()), "blocker": True})
                 if isinstance(child, ast.Raise) and isinstance(child.exc, ast.Call) and child.exc.args:
                     exc = ast.unparse(child.exc.func)
                     message = " ".join(_render(child.exc.args[0], names).split())
@@ -164,7 +200,11 @@ def collect_refusals(package: Path = PACKAGE) -> list[dict]:
     return found
 
 
-def group_of(module: str) -> str:
+def group_of(module: str, blocker: bool = False) -> str:
+    """The group of `GROUPS` a module's refusals go to; a model's blockers (`blocker=True`) to the model group,
+    wherever they are found, except the trainer arguments' (`trainers/config.py`)."""
+    if blocker and module != "trl_dta/trainers/config.py":
+        return GROUPS[2][0]
     for title, _, paths in GROUPS:
         if any(module == p or (p.endswith("/") and module.startswith(p)) for p in paths):
             return title
@@ -193,7 +233,7 @@ def refusals() -> str:
     entries = collect_refusals()
     by_group: dict[str, list[dict]] = {title: [] for title, _, _ in GROUPS}
     for entry in entries:
-        by_group[group_of(entry["module"])].append(entry)
+        by_group[group_of(entry["module"], entry.get("blocker", False))].append(entry)
     out = []
     for title, doing, _ in GROUPS:
         rows = [e for e in by_group[title] if is_refusal(e)]

@@ -17,7 +17,17 @@ MOE_FAMILIES = {
     "mixtral": lambda vocab, **kw: transformers.MixtralConfig(
         vocab_size=vocab, **_COMMON, head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
         **kw),
+    # GPT-OSS: attention sinks, sliding and full layers alternating (a window of 4, shorter than the test sequences),
+    # YaRN RoPE (its factor 32 over the tiny context, as in the released models' config), biased router and experts.
+    "gpt_oss": lambda vocab, **kw: transformers.GptOssConfig(
+        vocab_size=vocab, **_COMMON, head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=4, rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                           "truncate": False, "original_max_position_embeddings": 16,
+                                           "rope_theta": 150000.0}, **kw),
 }
+
+# GPT-OSS has no SDPA attention in transformers (its sinks): its dense reference is its own eager attention.
+ATTN_IMPLEMENTATION = {"gpt_oss": "eager"}
 
 # MoE families DTA runs whose TRL default has no router loss (the config declares no `router_aux_loss_coef`).
 MOE_WITHOUT_AUX = {

@@ -206,5 +206,5 @@ def test_refusals():
         dta_attention(Layer(), q, k, v, None)
     with pytest.raises(ValueError, match="dropout"):
         dta_attention(Layer(), q, k, v, None, dropout=0.1, dta_ctx=ctx)
-    with pytest.raises(NotImplementedError, match="s_aux"):
-        dta_attention(Layer(), q, k, v, None, dta_ctx=ctx, s_aux=torch.zeros(2))
+    with pytest.raises(NotImplementedError, match="attn_bias"):  # a keyword DTA does not implement
+        dta_attention(Layer(), q, k, v, None, dta_ctx=ctx, attn_bias=torch.zeros(2))

@@ -12,7 +12,7 @@ from conftest import FAMILIES, VOCAB, float64_twin, make_model, shared_batch, us
 from moe_models import MOE_FAMILIES, MOE_WITHOUT_AUX
 from reference import grads_of
 from test_engine import TOL, check
-from trl_dta import DTAEngine
+from trl_dta.kernels import available_backends
 from trl_dta.models import DENSE_ALTERNATIVE, TESTED_MODEL_TYPES, check_model_support
 
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
@@ -38,8 +38,9 @@ SUPPORTED = {
 }
 
 # Cohere's RoPE rotates q/k in float32 even in a float64 model, and the MoE routers take their softmax in float32:
-# float32 tests only (see conftest's FLOAT32_ONLY).
-FLOAT32_ONLY = {"cohere", *MOE_FAMILIES, *MOE_WITHOUT_AUX}
+# float32 tests only (see conftest's FLOAT32_ONLY). GPT-OSS's router, attention (sinks included) and experts' eager
+# loop compute in the model's dtype (`build` picks the eager loop in float64: the grouped matmul has none).
+FLOAT32_ONLY = {"cohere", *(set(MOE_FAMILIES) - {"gpt_oss"}), *MOE_WITHOUT_AUX}
 
 # Families that run densely but not through DTA, and a phrase of the reason each must be refused with.
 REFUSED = {
@@ -58,9 +59,6 @@ REFUSED = {
     "bert-bidirectional": (lambda: transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                                                            num_attention_heads=4, intermediate_size=48),
                            "other log-probs than the dense forward"),
-    "gpt_oss-sinks": (lambda: transformers.GptOssConfig(**SMALL, intermediate_size=48, num_key_value_heads=2,
-                                                        head_dim=8, num_local_experts=4, num_experts_per_tok=2),
-                      "s_aux"),
     "mamba": (lambda: transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2),
               "linear_attention"),
     # Hybrids outside `recurrent.RECURRENT_FAMILIES`: Jamba's Mamba (v1) layers, MiniMax's lightning attention (a
@@ -78,9 +76,14 @@ REFUSED = {
 
 def build(config, dtype=torch.float32, seed=0, attn="sdpa"):
     """A tiny model with random weights (perturbed, so that norm weights matter), in eval mode; `attn=None` lets
-    transformers pick the attention (MPT has no SDPA)."""
+    transformers pick the attention (MPT has no SDPA), and a family without SDPA (GPT-OSS) runs its eager attention.
+    MoE experts run their eager loop in float64 (the grouped matmul has no float64)."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn).to(dtype).eval()
+    if attn == "sdpa" and not transformers.AutoModelForCausalLM._model_mapping[type(config)]._supports_sdpa:
+        attn = "eager"
+    experts = "eager" if dtype == torch.float64 else None
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn,
+                                                          experts_implementation=experts).to(dtype).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -222,3 +225,55 @@ def test_hybrid_refusal_names_only_the_layers_dta_cannot_run():
     message = str(err.value)
     assert "['linear_attention'] layers" in message and "state-space" in message, message
     assert "'full_attention'] layers" not in message and "nemotron_h" in message, message
+    assert "'moe'" not in message and "'mlp'" not in message, message
+
+
+def branching_batch(seed: int = 0) -> list[torch.Tensor]:
+    """Deep branching with single-token segments and a GRPO-like sibling group, longer than GPT-OSS's window of 4: a
+    6-token root with three levels of two children each (one child of every node a single token), a sequence that
+    ends at an internal segment, and 6 ragged siblings (1 to 11 tokens) of a 9-token prompt."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(n):
+        return torch.randint(3, VOCAB, (n,), generator=g)
+
+    seqs, level = [], [rnd(6)]
+    for lengths in ((1, 5), (1, 3), (1, 2)):
+        level = [torch.cat([node, rnd(n)]) for node in level for n in lengths]
+    seqs += level + [level[3][:-2]]  # 8 leaves at depth 3, and one that stops inside a segment
+    prompt = rnd(9)
+    seqs += [torch.cat([prompt, rnd(n)]) for n in (1, 3, 11, 2, 7, 1)]
+    return seqs
+
+
+GPT_OSS_WALKS = {
+    "walk": dict(max_pack_tokens=0),  # every segment pushed and popped, siblings batched
+    "packed": dict(max_pack_tokens=1024),  # subtrees as tree-masked rows
+    "one-by-one": dict(max_pack_tokens=0, max_batch_tokens=1),  # no sibling batching
+    "recompute": dict(max_pack_tokens=0, max_graph_tokens=0, block_size=3),  # blocks shorter than the window
+}
+# Every walk on the default backend; the reference and Triton backends on packed rows (each kernel path: causal rows,
+# tree-masked rows, path parts cut by the window); float32 on the default.
+GPT_OSS_CASES = [pytest.param("torch", walk, torch.float64, id=f"torch-{walk}-float64") for walk in GPT_OSS_WALKS] + [
+    pytest.param("sdpa", "walk", torch.float64, id="sdpa-walk-float64"),
+    pytest.param("triton", "packed", torch.float64, id="triton-packed-float64"),
+    pytest.param("torch", "packed", torch.float32, id="torch-packed-float32"),
+]
+
+
+@pytest.mark.parametrize("backend, walk, dtype", GPT_OSS_CASES)
+def test_gpt_oss_trees_equal_oracle(backend, walk, dtype):
+    """GPT-OSS (attention sinks, sliding and full layers alternating, MoE) through every walk mode and attention
+    backend, against the per-sequence oracle (its own eager attention): log-probs, entropies and every parameter
+    gradient, the sinks' included (`test_engine.check`). float64 with the experts' eager loop and norms in the input
+    dtype (1e-10); float32 stock, as precise as the dense float32 path against the float64 twin."""
+    if backend == "triton" and "triton" not in available_backends("cpu"):
+        pytest.skip("triton is not installed")
+    model = build(MOE_FAMILIES["gpt_oss"](VOCAB), dtype)
+    if dtype == torch.float64:
+        use_input_dtype_norms(model)
+    assert model.config.layer_types == ["sliding_attention", "full_attention"] and model.config.sliding_window == 4
+    out = check(model, branching_batch(1), loss_fn=loss_fn, attn_backend=backend, **GPT_OSS_WALKS[walk])
+    assert out.stats["compression_ratio"] > 1.5
+    grads = grads_of(model)
+    assert all(grads[f"model.layers.{i}.self_attn.sinks"].abs().max() > 0 for i in range(2))

@@ -12,6 +12,9 @@ import logging
 import math
 import numbers
 import os
+from dataclasses import replace
+
+from .refusal import MODEL_CONFIG, Blocker, refuse
 
 logger = logging.getLogger("trl_dta")
 
@@ -117,30 +120,39 @@ def check_choice(name: str, value, choices) -> str:
     return value
 
 
-def check_no_dropout(model, fix: str, *, training_only: bool = True) -> None:
-    """Refuse a model whose dropout would be active: DTA cannot reproduce the dense path's random masks.
+def dropout_blockers(model, module_fix: Blocker, *, training_only: bool = True) -> list[Blocker]:
+    """What keeps dropout active in `model`: DTA cannot reproduce the dense path's random masks.
 
     Args:
         model (`torch.nn.Module`): the model (a PEFT model included).
-        fix (`str`): how the caller's user turns dropout off (e.g. "Set `disable_dropout=True`").
+        module_fix (`Blocker`): how the caller's user turns off the dropout modules (its `settings` or `fix`; its
+            feature is replaced by the finding).
         training_only (`bool`, *optional*, defaults to `True`): only modules in training mode count (the engine, at
             call time); `False` checks the configured rates whatever the mode (a trainer, at construction, before
             it calls `model.train()`).
+
+    Returns:
+        `list[Blocker]`: the first active dropout module (with `module_fix`'s fix), and attention dropout set in the
+        config (fix: `attention_dropout=0.0` in the model config).
     """
     import torch
 
+    blockers = []
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Dropout) and module.p > 0 and (module.training or not training_only):
-            raise ValueError(
-                f"dropout is active ({name}: p={module.p}) and DTA cannot reproduce the dense path's random dropout "
-                f"masks. {fix}"
-            )
+            blockers.append(replace(module_fix, feature=f"dropout is active ({name}: p={module.p}) and DTA cannot "
+                                                        "reproduce the dense path's random dropout masks"))
+            break
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "get_text_config"):
         config = config.get_text_config()
     rate = getattr(config, "attention_dropout", 0.0) or 0.0
     if rate and (model.training or not training_only):
-        raise ValueError(
-            f"attention dropout is active (attention_dropout={rate}) and DTA cannot reproduce its random masks. "
-            f"Set `attention_dropout=0.0` in the model config. {fix}"
-        )
+        blockers.append(Blocker(f"attention dropout is active (attention_dropout={rate}) and DTA cannot reproduce its "
+                                "random masks", settings={"attention_dropout": 0.0}, where=MODEL_CONFIG))
+    return blockers
+
+
+def check_no_dropout(model, subject: str, module_fix: Blocker, *, training_only: bool = True) -> None:
+    """Refuse a model whose dropout would be active ([`dropout_blockers`]), one message for all of it."""
+    refuse(subject, dropout_blockers(model, module_fix, training_only=training_only))

@@ -24,7 +24,7 @@ after RoPE, v bfloat16) and computes in the dtype autocast gives SDPA, the autoc
 input, the path's keys/values included, is converted there once, and the kernels run with autocast off.
 
 Backends (`DTAEngine(attn_backend=...)`), all exact (GQA without repeating keys, sliding windows, soft-capping,
-padding; float64 where the device has it):
+attention sinks, padding; float64 where the device has it):
 
 | backend  | device                  | path     | kernels                                     | `math` fallback for   |
 |----------|-------------------------|----------|---------------------------------------------|-----------------------|
@@ -103,6 +103,7 @@ def dta_attention(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     dta_ctx: AttentionContext | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
@@ -111,6 +112,9 @@ def dta_attention(
     Args:
         query (`torch.Tensor` of shape `(batch, n_heads, length, head_dim)`): new tokens' queries.
         key, value (`torch.Tensor` of shape `(batch, n_kv_heads, length, head_dim)`): new tokens' keys/values.
+        s_aux (`torch.Tensor` of shape `(n_heads,)`, *optional*): attention sinks (GPT-OSS), one logit per head added
+            to every query's softmax denominator; kept in its own dtype (float32 under autocast, as GPT-OSS's eager
+            attention promotes it), see `kernels.two_part`.
         dta_ctx (`AttentionContext`): the engine's context (passed through the model's forward kwargs).
 
     Returns:
@@ -147,7 +151,7 @@ def dta_attention(
     with torch.autocast(query.device.type, enabled=False):  # the kernels run in their inputs' dtype, as SDPA's do
         out = two_part_attention(query, path_key, path_value, key, value, scaling=scaling,
                                  positions=dta_ctx.positions, key_end=dta_ctx.key_end, sliding_window=sliding_window,
-                                 softcap=softcap, backend=dta_ctx.backend)  # (batch, n_heads, length, head_dim)
+                                 softcap=softcap, sinks=s_aux, backend=dta_ctx.backend)  # (batch, n_heads, length, D)
     return out.transpose(1, 2).contiguous(), None  # two-part backends: already (batch, length, ...) in memory
 
 

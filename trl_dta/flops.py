@@ -252,6 +252,8 @@ def _hybrid_fields(config) -> dict:
 MODEL_SHAPES: dict[str, ModelShape] = {
     # Qwen/Qwen3-1.7B config.json
     "qwen3-1.7b": ModelShape(2048, 6144, 28, 16, 8, 128, 151936, name="qwen3-1.7b"),
+    # Qwen/Qwen3-0.6B config.json (tied embeddings, as 1.7B)
+    "qwen3-0.6b": ModelShape(1024, 3072, 28, 16, 8, 128, 151936, name="qwen3-0.6b"),
     # Qwen/Qwen3-8B config.json (36 layers, 8 KV heads of 128: 147,456 bytes of bf16 K/V per token)
     "qwen3-8b": ModelShape(4096, 12288, 36, 32, 8, 128, 151936, name="qwen3-8b"),
     # Qwen/Qwen2-0.5B config.json

@@ -8,23 +8,25 @@ exactly when
    attention state, no attention code of its own), or, in the hybrid families of `recurrent.RECURRENT_FAMILIES`, in
    recurrent layers that take their states from the forward's cache (`recurrent/carrier.py`),
 2. its decoder layers hand the forward's keyword arguments on to that call,
-3. that attention is causal softmax attention over post-RoPE keys/values, optionally windowed or soft-capped (no
-   ALiBi biases, no chunked or sparse attention, no attention sinks, no bidirectional attention), and
+3. that attention is causal softmax attention over post-RoPE keys/values, optionally windowed, soft-capped or with
+   attention sinks (no ALiBi biases, no chunked or sparse attention, no bidirectional attention), and
 4. its logits are post-processed in a way [`HeadSpec`] knows.
 
-[`check_model_support`] decides it in two steps, and either returns or raises a `NotImplementedError` that names the
-model type, the reason and the dense alternative:
+[`model_blockers`] finds every reason a model fails this in two steps, and [`check_model_support`] refuses it with one
+message that names each, with its fix (`refusal.py`), the dense alternative and the tested families:
 
-- **Rules**, dispatch tables of what is known not to hold: families by model type (ALiBi models) and configurations
-  by their layer types (state-space and linear-attention layers outside the hybrid families, chunked-attention
-  layers), MoE routers with random noise or capacity limits.
+- **Rules**, dispatch tables of what is known not to hold: families by model type (ALiBi models), configurations by
+  their layer types (state-space and linear-attention layers outside the hybrid families, chunked-attention
+  layers) and logit scalings of unknown meaning; and training features a four-token probe cannot see: MoE
+  routers with random noise or capacity limits, dynamic RoPE.
 - **Probe**: the real model on four tokens, once densely and once through DTA as a one-token prefix plus a
   three-token continuation, compared on the log-probs and entropies of the three next tokens. A failure inside
-  transformers, a layer that never reaches the DTA attention (1, 2) or a different result (3, 4) becomes the error.
+  transformers, a layer that never reaches the DTA attention (1, 2) or a different result (3, 4) becomes a blocker.
   It costs three forwards of at most four tokens and leaves the model as it was (attention implementation, training
   mode, gradients). Both sides run in the precision the engine's calls will run in ([`Precision`]: accelerate's
   autocast wrapper of the model's forward, or the caller's autocast), and the gap is judged with the tolerance of
-  that precision; a refusal names the precision and the measured gap.
+  that precision; a refusal names the precision and the measured gap. It is skipped when a rule about the attention
+  or the logits already refuses the model (its finding would only restate that rule).
 
 ```
 dense:   t0 t1 t2 t3                  -> log p(t1 | t0), log p(t2 | t0 t1), log p(t3 | t0 t1 t2)
@@ -45,47 +47,59 @@ from .kv_stack import Frame, KVStack
 from .lm_head import HeadSpec, head_logprobs, unknown_logit_scaling
 from .precision import Precision
 from .recurrent import RECURRENT_FAMILIES, RECURRENT_LAYER_TYPES, LayerLayout, StateCarrier
+from .refusal import DENSE_ALTERNATIVE, MODEL_CONFIG, Blocker, refuse  # noqa: F401  (DENSE_ALTERNATIVE re-exported)
 
 # Model families whose equivalence with the dense per-sequence computation the test suite covers (tests/test_models.py
 # and tests/test_engine.py). Other families that pass the probe run with a one-time warning.
 TESTED_MODEL_TYPES = frozenset({
     "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "gemma3", "phi3", "granite", "olmo", "gpt_neox",
-    "gpt2", "cohere", "minicpm3", "qwen3_moe", "mixtral", "glm4_moe",
+    "gpt2", "cohere", "minicpm3", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss",
     *RECURRENT_FAMILIES,  # the hybrids (tests/recurrent/)
 })
-
-DENSE_ALTERNATIVE = (
-    "Train it without DTA: set `dta_enabled=False` in the DTA trainer's config (TRL's dense path), or, without the "
-    "trainers, call the model's own forward instead of `DTAEngine`."
-)
-
-_ALIBI = ("it adds ALiBi biases to the attention scores in its own attention code; DTA's attention has no position "
-          "bias")
-
-# model_type -> why DTA cannot run this configuration of the family, or None.
-_FAMILY_RULES: dict[str, Callable[[object], str | None]] = {
-    "bloom": lambda config: _ALIBI,
-    "mpt": lambda config: _ALIBI if config.attn_config.alibi else None,
-    "falcon": lambda config: _ALIBI if config.alibi else None,
-}
 
 # Layer types (`config.layer_types`) that are softmax attention over every earlier token or a window of them.
 _ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 # Layer types that mix no tokens (position-wise MLP and mixture-of-experts blocks, e.g. Nemotron-H's "mlp" and "moe"):
 # DTA runs them as they are, so a refusal never names them.
 _POSITION_WISE_LAYER_TYPES = frozenset({"mlp", "moe"})
+_ALIBI = Blocker("it adds ALiBi biases to the attention scores in its own attention code; DTA's attention has no "
+                 "position bias")
+
+# model_type -> the blocker of this configuration of the family, or None.
+_FAMILY_RULES: dict[str, Callable[[object], Blocker | None]] = {
+    "bloom": lambda config: _ALIBI,
+    "mpt": lambda config: _ALIBI if config.attn_config.alibi else None,
+    "falcon": lambda config: _ALIBI if config.alibi else None,
+}
 
 
-def _layer_types(config) -> str | None:
+def _layer_types(config) -> Blocker | None:
     kinds = set(getattr(config, "layer_types", None) or ())
     if config.model_type in RECURRENT_FAMILIES:  # hybrids whose recurrent layers walk the tree with their states
         kinds -= RECURRENT_LAYER_TYPES
     other = sorted(kinds - _ATTENTION_LAYER_TYPES - _POSITION_WISE_LAYER_TYPES)
     if other:
-        return (f"it has {other} layers (a token mixer with a state of its own: state-space, linear or otherwise "
-                f"non-softmax attention); DTA runs softmax attention layers ({sorted(_ATTENTION_LAYER_TYPES)}), whose "
-                "whole state is the path's keys/values, position-wise MLP/MoE layers, and the recurrent layers of the "
-                f"hybrid families {sorted(RECURRENT_FAMILIES)}")
+        return Blocker(
+            f"it has {other} layers (a token mixer with a state of its own: state-space, linear or otherwise "
+            f"non-softmax attention); DTA runs softmax attention layers ({sorted(_ATTENTION_LAYER_TYPES)}), whose "
+            "whole state is the path's keys/values, position-wise MLP/MoE layers, and the recurrent layers of the "
+            f"hybrid families {sorted(RECURRENT_FAMILIES)}"
+        )
+    return None
+
+
+def _chunked_attention(config) -> Blocker | None:
+    if getattr(config, "attention_chunk_size", None):
+        return Blocker(f"its attention is chunked (`attention_chunk_size={config.attention_chunk_size}`): a token sees "
+                       "only the keys of its own chunk, a mask DTA's attention does not build")
+    return None
+
+
+def _logit_scaling(config) -> Blocker | None:
+    field = unknown_logit_scaling(config)
+    if field is not None:
+        return Blocker(f"it scales its logits with `{field}={getattr(config, field)}`, and what that field means "
+                       "differs between families (see `lm_head.py`)")
     return None
 
 
@@ -94,36 +108,44 @@ def _layer_types(config) -> str | None:
 _ROUTER_NOISE_FIELDS = ("router_jitter_noise", "input_jitter_noise", "jitter_noise")
 
 
-def _router_noise(config) -> str | None:
-    for name in _ROUTER_NOISE_FIELDS:
-        if getattr(config, name, None):
-            return (f"its MoE router adds random jitter noise in training (`{name}={getattr(config, name)}`), which "
-                    f"DTA cannot reproduce (shared tokens would be routed with other noise than in each dense row); "
-                    f"set `{name}=0.0` in the model config")
+def _router_noise(config) -> Blocker | None:
+    noisy = {name: getattr(config, name) for name in _ROUTER_NOISE_FIELDS if getattr(config, name, None)}
+    if noisy:
+        shown = ", ".join(f"`{name}={value}`" for name, value in noisy.items())
+        return Blocker(f"its MoE router adds random jitter noise in training ({shown}), which DTA cannot reproduce "
+                       "(shared tokens would be routed with other noise than in each dense row)",
+                       settings={name: 0.0 for name in noisy}, where=MODEL_CONFIG)
+    return None
+
+
+def _expert_capacity(config) -> Blocker | None:
     if getattr(config, "expert_capacity", None):
-        return (f"its MoE layers drop the tokens beyond an expert's capacity (`expert_capacity="
-                f"{config.expert_capacity}`), which depends on the other tokens of the forward")
+        return Blocker(f"its MoE layers drop the tokens beyond an expert's capacity (`expert_capacity="
+                       f"{config.expert_capacity}`), which depends on the other tokens of the forward")
     return None
 
 
-def _chunked_attention(config) -> str | None:
-    if getattr(config, "attention_chunk_size", None):
-        return (f"its attention is chunked (`attention_chunk_size={config.attention_chunk_size}`): a token sees only "
-                "the keys of its own chunk, a mask DTA's attention does not build")
+def rope_kinds(config) -> list[dict]:
+    """The RoPE parameter dicts of `config` (one per layer type for models with several)."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return list(rope.values()) if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]
+
+
+def _dynamic_rope(config) -> Blocker | None:
+    for p in rope_kinds(config):
+        kind = (p or {}).get("rope_type", (p or {}).get("type"))
+        if kind == "dynamic":
+            return Blocker(f"rope_type '{kind}' rescales positions from the length of each forward call, so a prefix "
+                           "and its continuation would use different frequencies; DTA cannot reproduce the dense "
+                           "result", fix="use a model with static RoPE scaling")
     return None
 
 
-def _logit_scaling(config) -> str | None:
-    field = unknown_logit_scaling(config)
-    if field is not None:
-        return (f"it scales its logits with `{field}={getattr(config, field)}`, and what that field means differs "
-                "between families (see `lm_head.py`)")
-    return None
-
-
-# Checks of every family's config: each returns why DTA cannot run it, or None.
-_CONFIG_RULES: tuple[Callable[[object], str | None], ...] = (_layer_types, _chunked_attention, _logit_scaling,
-                                                             _router_noise)
+# Checks of every family's config, each returning a blocker or None. The first table concerns the attention and the
+# logits themselves: when one of them refuses a model, the probe (which compares the two) is not run, as its finding
+# would restate it. The second holds features the four-token probe in eval mode does not see.
+_MIXER_RULES: tuple[Callable[[object], Blocker | None], ...] = (_layer_types, _chunked_attention, _logit_scaling)
+_TRAINING_RULES: tuple[Callable[[object], Blocker | None], ...] = (_router_noise, _expert_capacity, _dynamic_rope)
 
 
 def _where(exc: Exception) -> str:
@@ -281,28 +303,39 @@ def _probe(lm, head: HeadSpec, layout: LayerLayout, precision: Precision) -> Non
         )
 
 
-def _reason(lm, precision: Precision) -> str | None:
-    """Why DTA cannot run `lm`, or None: the first rule that refuses it, else the probe's finding."""
+def model_blockers(lm, precision: Precision) -> list[Blocker]:
+    """Every blocker of `lm` that the rules and the probe find (empty: DTA runs it), in a stable order: the family's
+    and the attention's rules, the probe (unless those refused), then the features the probe cannot see."""
     config = lm.config.get_text_config()
     family_rule = _FAMILY_RULES.get(config.model_type)
-    for rule in ((family_rule,) if family_rule is not None else ()) + _CONFIG_RULES:
-        reason = rule(config)
-        if reason is not None:
-            return reason
-    try:
-        _probe(lm, HeadSpec.from_model(lm), LayerLayout.from_config(config), precision)
-    except _ProbeFailure as failure:
-        return str(failure)
-    except Exception as exc:  # raised inside transformers or torch: the model cannot run this way at all
-        return f"its forward fails with DTA's attention ({_where(exc)})"
-    return None
+    mixer = [rule(config) for rule in ((family_rule,) if family_rule is not None else ()) + _MIXER_RULES]
+    blockers = [b for b in mixer if b is not None]
+    if not blockers:
+        try:
+            _probe(lm, HeadSpec.from_model(lm), LayerLayout.from_config(config), precision)
+        except _ProbeFailure as failure:
+            blockers.append(Blocker(str(failure)))
+        except Exception as exc:  # raised inside transformers or torch: the model cannot run this way at all
+            blockers.append(Blocker(f"its forward fails with DTA's attention ({_where(exc)})"))
+    return blockers + [b for b in (rule(config) for rule in _TRAINING_RULES) if b is not None]
+
+
+def refusal_subject(lm) -> str:
+    """`"MixtralForCausalLM (model type 'mixtral')"`: how a refusal names the model."""
+    return f"{type(lm).__name__} (model type '{lm.config.get_text_config().model_type}')"
+
+
+def refusal_tail() -> str:
+    """The refusal's closing sentence: the families the tests cover."""
+    return f"Model types tested with DTA: {', '.join(sorted(TESTED_MODEL_TYPES))}."
 
 
 def check_model_support(lm, precision: Precision | None = None) -> None:
     """Refuse, before any forward of the user's, a causal LM that runs densely but not through DTA.
 
-    Applies the rules, then the probe (see the module docstring). Model types outside [`TESTED_MODEL_TYPES`] that
-    pass get a one-time warning.
+    Applies the rules, then the probe (see the module docstring), and refuses with one message naming every blocker
+    found and its fix ([`refusal.DTAUnsupportedError`]). Model types outside [`TESTED_MODEL_TYPES`] that pass get a
+    one-time warning.
 
     Args:
         lm (`transformers.PreTrainedModel`): the causal LM (a PEFT model's base model, adapters active).
@@ -310,21 +343,22 @@ def check_model_support(lm, precision: Precision | None = None) -> None:
             under here (its accelerate wrapper, else the caller's autocast).
 
     Raises:
-        `NotImplementedError`: naming the model type, the reason, the dense alternative and the tested families.
+        `DTAUnsupportedError` (a `NotImplementedError`): naming the model type, every blocker with its fix, the dense
+            alternative and the tested families.
     """
-    model_type = lm.config.get_text_config().model_type
-    tested = ", ".join(sorted(TESTED_MODEL_TYPES))
     if precision is None:
         precision = Precision.of(lm, device=lm.get_input_embeddings().weight.device)
-    reason = _reason(lm, precision)
-    if reason is not None:
-        raise NotImplementedError(
-            f"{type(lm).__name__} (model type '{model_type}') cannot run through DTA: {reason}. {DENSE_ALTERNATIVE} "
-            f"Model types tested with DTA: {tested}."
-        )
+    refuse(refusal_subject(lm), model_blockers(lm, precision), refusal_tail())
+    warn_untested(lm)
+
+
+def warn_untested(lm) -> None:
+    """The one-time warning for a model type outside [`TESTED_MODEL_TYPES`] that passed the checks."""
+    model_type = lm.config.get_text_config().model_type
     if model_type not in TESTED_MODEL_TYPES:
         _checks.warn_once(
             f"models:untested:{model_type}",
-            f"DTA: model type '{model_type}' is not among the tested families ({tested}); it passed the construction "
-            "probe (four tokens as a prefix and its continuation, checked against its dense forward).",
+            f"DTA: model type '{model_type}' is not among the tested families "
+            f"({', '.join(sorted(TESTED_MODEL_TYPES))}); it passed the construction probe (four tokens as a prefix and "
+            "its continuation, checked against its dense forward).",
         )

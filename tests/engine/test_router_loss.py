@@ -13,12 +13,12 @@ import torch
 import transformers
 
 from bounds import chain_bound, max_sharing
-from conftest import VOCAB
+from conftest import VOCAB, use_input_dtype_norms
 from hybrid_models import HYBRID_FAMILIES, MOE as HYBRID_MOE, float64_internals
-from moe_models import MOE_FAMILIES, MOE_WITHOUT_AUX
+from moe_models import ATTN_IMPLEMENTATION, MOE_FAMILIES, MOE_WITHOUT_AUX
 from reference import compare_grads, grads_of
 from trl_dta import DTAEngine
-from trl_dta.engine.router_loss import ROUTER_LOSS_FAMILIES, LoadBalancing
+from trl_dta.engine.router_loss import ROUTER_LOSS_FAMILIES, LoadBalancing, router_spec
 
 # Ways the walk forwards tokens with grad: rows of small subtrees; every graph kept, segments one by one; block
 # recompute of every segment.
@@ -55,14 +55,16 @@ def _precision(family):
 
 
 def build(family: str, dtype=torch.float32, seed: int = 0):
+    """float64: the experts' eager loop (their grouped matmul has no float64) and RMSNorm in the input dtype."""
     torch.manual_seed(seed)
-    extra = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
-    model = transformers.AutoModelForCausalLM.from_config(ROUTER_FAMILIES[family](VOCAB), attn_implementation="sdpa",
-                                                          **extra)
+    model = transformers.AutoModelForCausalLM.from_config(
+        ROUTER_FAMILIES[family](VOCAB), attn_implementation=ATTN_IMPLEMENTATION.get(family, "sdpa"),
+        experts_implementation="eager" if dtype == torch.float64 else None)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.3)  # routers away from uniform, so the counts vary
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    return use_input_dtype_norms(model) if dtype == torch.float64 else model
 
 
 def forest(seed: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -93,6 +95,28 @@ def dense_aux(model, seqs: list[list[int]], group: list[int]) -> torch.Tensor:
         ids[row, : len(seqs[i])] = torch.tensor(seqs[i])
         mask[row, : len(seqs[i])] = 1
     return model(input_ids=ids, attention_mask=mask, output_router_logits=True).aux_loss
+
+
+def float64_aux(model, seqs: list[list[int]], group: list[int], n_experts: int, top_k: int) -> torch.Tensor:
+    """`load_balancing_loss_func` of the group's padded batch, computed here in float64 throughout (transformers'
+    accumulates in float32 whatever the model's dtype)."""
+    width = max(len(seqs[i]) for i in group)
+    ids = torch.zeros(len(group), width, dtype=torch.long)
+    mask = torch.zeros(len(group), width, dtype=torch.float64)
+    for row, i in enumerate(group):
+        ids[row, : len(seqs[i])] = torch.tensor(seqs[i])
+        mask[row, : len(seqs[i])] = 1
+    logits = model(input_ids=ids, attention_mask=mask.long(), output_router_logits=True).router_logits
+    flat = mask.reshape(-1)
+    counts = probs = 0.0
+    for layer_logits in logits:
+        p = torch.softmax(layer_logits.double(), dim=-1)  # (tokens, E)
+        top = p.topk(top_k, dim=-1).indices
+        counts = counts + torch.zeros(n_experts, dtype=torch.float64).scatter_add(0, top.reshape(-1),
+                                                                                  flat.repeat_interleave(top_k))
+        probs = probs + (p * flat[:, None]).sum(0)
+    rows = flat.sum() * len(logits)
+    return n_experts * (counts / rows * probs / rows).sum()
 
 
 def dense_router_loss(model, seqs, groups, coefs):
@@ -153,6 +177,27 @@ def test_router_gradient_equals_dense(family, budget):
         err, where = compare_grads(grads_of(model), want)
         assert err <= grad_tol, f"seed {seed}: router-loss gradients differ by {err:.3g} (at {where})"
         assert any("gate" in n or "router" in n for n in want)  # the routers themselves receive a gradient
+
+
+@pytest.mark.parametrize("budget", list(BUDGETS))
+def test_router_gradient_float64(budget):
+    """GPT-OSS, whose routers (and sinks, attention and experts' eager loop) compute in the model's dtype, in float64
+    (norms in the input dtype), the aux term alone: DTA's value and gradients equal the float64 load-balancing loss
+    within 1e-10 (computed here: transformers' function accumulates in float32 whatever the model's dtype)."""
+    coefs = [0.7, 1.3, 0.2]
+    seqs, groups = forest(list(BUDGETS).index(budget))
+    exact = build("gpt_oss", torch.float64)
+    spec = router_spec(exact)
+    exact.zero_grad(set_to_none=True)
+    want_aux = torch.stack([float64_aux(exact, seqs, g, spec.n_experts, spec.top_k) for g in groups])
+    (torch.tensor(coefs, dtype=torch.float64) * want_aux).sum().backward()
+    want = grads_of(exact)
+    exact.zero_grad(set_to_none=True)
+    out = engine_for(exact, budget).forward_backward(seqs, zero_loss, router_loss=LoadBalancing(groups, coefs))
+    assert (out.router_aux - want_aux).abs().max() <= 1e-10 * want_aux.abs().max()
+    err, where = compare_grads(grads_of(exact), want)
+    assert err <= 1e-10, f"router-loss gradients differ by {err:.3g} (at {where})"
+    assert any("router" in n for n in want) and any("sinks" in n for n in want)
 
 
 @pytest.mark.parametrize("family", list(ROUTER_FAMILIES))

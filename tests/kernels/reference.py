@@ -37,8 +37,10 @@ class Case:
                     softcap=self.softcap)
 
 
-def reference_attention(case: Case) -> torch.Tensor:
-    """`(batch, n_heads, length, head_dim)` in float64: concatenation, explicit mask, softmax."""
+def reference_attention(case: Case, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """`(batch, n_heads, length, head_dim)` in float64: concatenation, explicit mask, softmax. With `sinks`
+    `(n_heads,)`, each head's softmax has one more column of logit `sinks[h]`, dropped afterwards (GPT-OSS's eager
+    attention)."""
     query, key, value = case.query.double(), case.key.double(), case.value.double()
     batch, n_heads = query.shape[:2]
     if case.path_key is not None:
@@ -50,7 +52,10 @@ def reference_attention(case: Case) -> torch.Tensor:
     if case.softcap is not None:
         scores = torch.tanh(scores / case.softcap) * case.softcap
     scores = scores.masked_fill(~case.visible[:, None], float("-inf"))
-    return torch.softmax(scores, dim=-1) @ value
+    if sinks is None:
+        return torch.softmax(scores, dim=-1) @ value
+    column = sinks.double()[None, :, None, None].expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1] @ value
 
 
 def _tensors(gen, batch, n_heads, n_kv, length, path_len, dim, dtype):

@@ -30,7 +30,7 @@ import torch
 from accelerate import PartialState
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/: hybrid_models
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/: `bounds` (the trainers' conftest), hybrid_models
 from conftest import LEARNING_RATE, PAD, PRECISIONS, build_tokenizer, make_args  # noqa: E402
 from cpu_engines import (  # noqa: E402
     CollectiveCounter,
@@ -263,6 +263,8 @@ def train_one(args, dta: int, extra: dict, out, last: bool = True, construct_onl
         max_completion_length=4,
         beta=args.beta,  # > 0: reference log-probs recomputed for the fixed completions (`reference_logps`)
         learning_rate=args.learning_rate,
+        # fp64 (make_args loads the model in float64): MoE experts in their eager loop (the grouped matmul has none)
+        model_init_kwargs={"experts_implementation": "eager"} if args.precision == "fp64" else None,
         **extra,
     )
     peft_config = None
@@ -322,7 +324,9 @@ def train_one(args, dta: int, extra: dict, out, last: bool = True, construct_onl
     if state.is_main_process:
         logs = [e for e in trainer.state.log_history if "loss" in e]
         torch.save({"params": params, "logs": logs, "collectives": counts, "steps": args.steps,
-                    "engine_calls": engine_calls_per_rank, "settings": extra, "precision": ran, "initial": initial},
+                    "engine_calls": engine_calls_per_rank, "settings": extra, "precision": ran, "initial": initial,
+                    "batch": {"per_device_train_batch_size": per_device, "gradient_accumulation_steps": args.ga,
+                              "num_processes": state.num_processes}},
                    out)
     if not last:
         state.wait_for_everyone()

@@ -125,7 +125,10 @@ def as_run(saved: dict) -> Run:
         initial = {n: p.to(torch.bfloat16).float() for n, p in initial.items()}
     rates = {log["learning_rate"] for log in saved["logs"]}
     assert len(rates) == 1, rates
-    trainer = SimpleNamespace(args=SimpleNamespace(learning_rate=rates.pop()))  # what the bar reads of a trainer
+    batch = saved["batch"]  # what the bar reads of a trainer: the learning rate and the rows of a step
+    trainer = SimpleNamespace(args=SimpleNamespace(learning_rate=rates.pop(), **{
+        k: batch[k] for k in ("per_device_train_batch_size", "gradient_accumulation_steps")}),
+        accelerator=SimpleNamespace(num_processes=batch["num_processes"]))
     return Run(trainer, saved["logs"], [], initial, saved["params"], saved["precision"]["mixed_precision"])
 
 

@@ -404,7 +404,7 @@ def _make(tmp_path, tokenizer, dataset, model, peft_config=None, **config):
         ("attention_dropout", "attention dropout is active (attention_dropout=0.1)"),
         ("moe_router_jitter", "`router_jitter_noise=0.1`"),
         ("moe_aux_loss_other_family", "set `router_aux_loss_coef=0.0`"),
-        ("prompt_tuning", "Prompt-learning adapters"),
+        ("prompt_tuning", "prompt-learning adapters"),
         ("dynamic_rope", "rope_type 'dynamic'"),
     ],
 )

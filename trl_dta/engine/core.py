@@ -16,16 +16,18 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import _checks, attention, kernels
-from ..models import TESTED_MODEL_TYPES, check_model_support
+from ..models import TESTED_MODEL_TYPES, check_model_support, refusal_subject, rope_kinds
 from ..precision import Precision
 from ..recurrent import LayerLayout
+from ..refusal import Blocker
 from ..tree import PrefixTree
 from . import router_loss as routers
 from .plan import ScorePlan
 from .schedule import Budgets
 from .walk import LossFn, TreeWalk
 
-_DROPOUT_FIX = "Set the dropout probabilities to 0 or call model.eval()."
+# How an engine user turns off active dropout modules (at call time, in training mode).
+_DROPOUT_FIX = Blocker("", fix="set the dropout probabilities to 0, or call `model.eval()`")
 
 # One engine call per model at a time: id(causal LM) -> ident of the thread running a call on it.
 _CALLS: dict[int, int] = {}
@@ -61,12 +63,6 @@ def _causal_lm(model):
     if not hasattr(base, "get_output_embeddings") or base.get_output_embeddings() is None:
         raise TypeError(f"{type(base).__name__} has no output embeddings: DTAEngine needs a causal language model.")
     return base
-
-
-def _rope_kinds(config) -> list[dict]:
-    """The RoPE parameter dicts of `config` (one per layer type for models with several)."""
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    return list(rope.values()) if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]
 
 
 def _position_table(lm) -> tuple[str, int] | None:
@@ -145,7 +141,6 @@ class DTAEngine:
         if getattr(lm.config, "is_encoder_decoder", False):
             raise TypeError("DTAEngine supports decoder-only causal LMs, not encoder-decoder models.")
         self._config = lm.config.get_text_config()
-        self._check_config(self._config)
         with _CALLS_LOCK:
             _refuse_running_call(_CALLS.get(id(lm)))  # the probe below runs the model, which a running call holds
         check_model_support(lm, self._precision(lm))  # rules + a 4-token probe against the dense forward
@@ -166,17 +161,6 @@ class DTAEngine:
             return kernels.resolve_backend(self.attn_backend, device)
         except ValueError as exc:
             raise ValueError(f"`attn_backend`: {exc}") from None
-
-    @staticmethod
-    def _check_config(config) -> None:
-        for p in _rope_kinds(config):
-            kind = (p or {}).get("rope_type", (p or {}).get("type"))
-            if kind == "dynamic":
-                raise NotImplementedError(
-                    f"rope_type '{kind}' rescales positions from the length of each forward call, so a prefix and its "
-                    "continuation would use different frequencies; DTA cannot reproduce the dense result. Use a model "
-                    "with static RoPE scaling."
-                )
 
     # ------------------------------------------------------------------ public API
 
@@ -248,7 +232,7 @@ class DTAEngine:
             walked = tree.unshared(min_length=2)  # no one-token continuation of a path (`walk.py`)
         plan = ScorePlan(walked, _n_scored(tree, n_scored))
         if loss_fn is not None:
-            _checks.check_no_dropout(lm, fix=_DROPOUT_FIX)
+            _checks.check_no_dropout(lm, refusal_subject(lm), _DROPOUT_FIX)
         # Hybrid models: no packed subtree rows (a recurrence cannot follow a tree mask); leaves still run batched.
         pack = 0 if self.layout.hybrid else self.max_pack_tokens
         budgets = Budgets(self.block_size, self.max_batch_tokens, self.max_graph_tokens, pack, self.lm_head_chunk_size)
@@ -328,7 +312,7 @@ class DTAEngine:
                 f"{table[1]} positions, so the dense model cannot run it either; truncate the sequences (in TRL: "
                 "shorter prompts or `max_completion_length`)."
             )
-        for p in _rope_kinds(self._config):
+        for p in rope_kinds(self._config):
             limit = (p or {}).get("original_max_position_embeddings")
             if (p or {}).get("rope_type") == "longrope" and limit is not None and n > limit:
                 raise NotImplementedError(

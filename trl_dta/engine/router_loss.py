@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _checks
+from ..refusal import TRAINER_CONFIG, Blocker, refuse
 from ..tree import PrefixTree
 
 # Families whose causal LM adds transformers' Switch-style `load_balancing_loss_func` (top-k of the softmax, layers
@@ -50,6 +51,7 @@ from ..tree import PrefixTree
 ROUTER_LOSS_FAMILIES: dict[str, str] = {
     "qwen3_moe": "num_experts",
     "mixtral": "num_local_experts",
+    "gpt_oss": "num_local_experts",  # its router's top-k on the logits = the loss's top-k of their softmax
     "qwen3_next": "num_experts",  # hybrids (`recurrent/`) with the same function
     "granitemoehybrid": "num_local_experts",
 }
@@ -73,24 +75,38 @@ class RouterSpec:
     top_k: int
 
 
+def _recorder(lm):
+    """transformers' recorder of the router logits (`_can_record_outputs["router_logits"]`) of a known family, or
+    None."""
+    recorder = (getattr(type(lm), "_can_record_outputs", None) or {}).get("router_logits")
+    known = lm.config.get_text_config().model_type in ROUTER_LOSS_FAMILIES
+    return recorder if known and hasattr(recorder, "target_class") else None
+
+
+def router_loss_blocker(lm) -> Blocker | None:
+    """Why DTA cannot reproduce the load-balancing loss of `lm` (a blocker whose fix is TRL's
+    `router_aux_loss_coef=0.0`), or None."""
+    if _recorder(lm) is not None:
+        return None
+    return Blocker("its MoE load-balancing loss, which TRL adds to the loss by default, is not one DTA reproduces "
+                   f"(transformers' `load_balancing_loss_func` of the families {sorted(ROUTER_LOSS_FAMILIES)})",
+                   settings={"router_aux_loss_coef": 0.0}, where=TRAINER_CONFIG)
+
+
 def router_spec(lm) -> RouterSpec:
-    """The [`RouterSpec`] of a causal LM whose load-balancing loss DTA reproduces, or a `NotImplementedError`.
+    """The [`RouterSpec`] of a causal LM whose load-balancing loss DTA reproduces, or a refusal naming the fix.
 
     Args:
         lm (`transformers.PreTrainedModel`): the causal LM (a PEFT model's base model).
     """
+    blocker = router_loss_blocker(lm)
+    if blocker is not None:
+        refuse(f"{type(lm).__name__} (model type '{lm.config.get_text_config().model_type}') with its router loss",
+               [blocker])
     config = lm.config.get_text_config()
-    model_type = config.model_type
-    experts = ROUTER_LOSS_FAMILIES.get(model_type)
-    recorder = (getattr(type(lm), "_can_record_outputs", None) or {}).get("router_logits")
-    if experts is None or recorder is None or not hasattr(recorder, "target_class"):
-        raise NotImplementedError(
-            f"{type(lm).__name__} (model type '{model_type}'): DTA reproduces the MoE load-balancing loss of the "
-            f"families {sorted(ROUTER_LOSS_FAMILIES)} (transformers' `load_balancing_loss_func`), not this one's; "
-            f"{_FIX}."
-        )
-    return RouterSpec(recorder.target_class, recorder.index, int(getattr(config, experts)),
-                      int(config.num_experts_per_tok))
+    recorder = _recorder(lm)
+    n_experts = int(getattr(config, ROUTER_LOSS_FAMILIES[config.model_type]))
+    return RouterSpec(recorder.target_class, recorder.index, n_experts, int(config.num_experts_per_tok))
 
 
 @dataclass

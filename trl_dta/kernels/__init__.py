@@ -9,12 +9,13 @@ stored once (no expand, no concatenation), see `two_part`. What each backend run
 | `torch`  | CPU    | aten CPU flash       | aten CPU flash        | aten CPU flash + mask | soft-capping           |
 | `torch`  | CUDA   | aten flash (16-bit)  | aten flash            | `math`                | window, soft-cap, fp32 |
 | `flash`  | CUDA   | flash-attn >= 2.7    | flash-attn            | `torch` / `math`      | window cutting path    |
-| `triton` | CUDA*  | interval kernel      | interval kernel       | interval kernel       | - (all features)       |
+| `triton` | CUDA*  | interval kernel      | interval kernel       | interval kernel       | fp32, fp64 (CUDA)      |
 
-(*) and CPU under `TRITON_INTERPRET=1` (tests only: no bf16, slow). `auto` picks per device from `AUTO` (CPU:
+(*) and CPU under `TRITON_INTERPRET=1` (tests only: fp32/fp64, no bf16, slow). `auto` picks per device from `AUTO` (CPU:
 `torch`; CUDA: `flash` when installed, else `torch`), measured with `benchmarks/bench_attention.py`. Every backend
-is exact (GQA without repeating the path, sliding windows, soft-capping, padding); `math` is the plain-PyTorch part
-kernel (one part's scores materialised transiently, the path still stored once).
+is exact (GQA without repeating the path, sliding windows, soft-capping, attention sinks, padding); `math` is the
+plain-PyTorch part kernel (one part's scores materialised transiently, the path still stored once). Sinks enter at
+the merge (`two_part`), so every part kernel serves them unchanged.
 """
 
 from .masks import PartMask, key_end_from_row_mask

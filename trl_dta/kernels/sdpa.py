@@ -34,8 +34,11 @@ def _mask(q_len, path_len, positions, key_end, window, device) -> torch.Tensor:
     return torch.cat([path.expand(rows, -1, -1, -1), own.expand(rows, -1, -1, -1)], dim=-1)
 
 
-def concat_attention(query, path_key, path_value, key, value, *, scale, positions, key_end, window, softcap):
-    """Reference two-part attention by concatenation; arguments as in [`two_part_attention`]."""
+def concat_attention(query, path_key, path_value, key, value, *, scale, positions, key_end, window, softcap,
+                     sinks=None):
+    """Reference two-part attention by concatenation; arguments as in [`two_part_attention`]. Soft-capping and sinks
+    take an explicit softmax (the sinks as one more score column, dropped after the softmax, as GPT-OSS's eager
+    attention does)."""
     batch, n_heads, q_len, _ = query.shape
     path_len = 0
     if path_key is not None:
@@ -43,14 +46,24 @@ def concat_attention(query, path_key, path_value, key, value, *, scale, position
         key = torch.cat([path_key.expand(batch, -1, -1, -1), key], dim=2)  # (B, H_kv, P + L, D)
         value = torch.cat([path_value.expand(batch, -1, -1, -1), value], dim=2)
     groups = n_heads // key.shape[1]
-    if softcap is None and path_len == 0 and window is None and key_end is None:
+    explicit = softcap is not None or sinks is not None
+    if not explicit and path_len == 0 and window is None and key_end is None:
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=groups > 1)
+    if query.is_cuda and groups > 1:  # CUDA's fused SDPA kernels take a mask or GQA, not both (else: the math kernel)
+        key, value, groups = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1), 1
     mask = _mask(q_len, path_len, positions, key_end, window, query.device)
-    if softcap is None:
+    if not explicit:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
     key = key.repeat_interleave(groups, dim=1)
     value = value.repeat_interleave(groups, dim=1)
-    scores = torch.tanh(query @ key.transpose(-1, -2) * scale / softcap) * softcap  # (B, H, L, P + L)
+    scores = query @ key.transpose(-1, -2) * scale  # (B, H, L, P + L)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=acc).to(query.dtype)
-    return probs @ value
+    if sinks is not None:  # (B, H, L, P + L + 1), in the accumulation dtype (GPT-OSS's `cat` promotes so)
+        scores = torch.cat([scores.to(acc), sinks.to(acc)[None, :, None, None].expand(*scores.shape[:-1], 1)], -1)
+    probs = torch.softmax(scores, dim=-1, dtype=acc)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return probs.to(query.dtype) @ value

@@ -24,6 +24,12 @@ gradients are `dS_a = P_a * (dO V_a^T - rowsum(dO * O))`; a flash-style backward
 the sum of the parts' `dQ`, and the path's `dK_p, dV_p` come out already summed over all rows. No gradient flows
 through `lse`.
 
+**Sinks** (GPT-OSS's per-head `s_aux`): a sink adds `exp(s_h)` to head `h`'s softmax denominator, a key of logit
+`s_h` and value zero that every query sees. It enters the merge once, as a third "part" without output:
+`lse = logaddexp(lse_p, lse_r, s_h)`, so `O = sigmoid(lse_parts - s_h) O_parts` in effect. The parts' backward run
+with this `lse` and the sunk `O` (their `P_a` are then the joint softmax's), and the sink's own gradient is
+`dS_sink = P_sink (0 - rowsum(dO * O))`, summed over the batch and the queries of each head.
+
 Each part runs on the first kernel of the backend's chain that supports it (see [`BACKENDS`]); the kernels'
 contract is in `torch_parts`.
 """
@@ -63,9 +69,7 @@ def _triton_available(device) -> bool:
 
 
 def _flash_available(device) -> bool:
-    if device.type != "cuda":
-        return False
-    return _flash_kernel().available(device)
+    return _flash_kernel().available(device)  # flash-attn's ops registered with a kernel for this device
 
 
 # Part kernels by name: (available on a device, the kernel, loaded lazily so that optional packages stay optional).
@@ -101,51 +105,75 @@ def _unfold(x: torch.Tensor, batch: int) -> torch.Tensor:
     return x.reshape(heads, batch, total // batch, *x.shape[3:]).transpose(0, 1)
 
 
-def two_part_forward(query, path_key, path_value, key, value, plan: _Plan):
-    """Merged output `(batch, n_heads, length, head_dim)`, log-sum-exp `(batch, n_heads, length)` and the parts' aux."""
+def _sink_lse(lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """`lse` `(batch, n_heads, length)` with each head's sink logit `sinks (n_heads,)` added to the denominator."""
+    if sinks is None:
+        return lse
+    return torch.logaddexp(lse, sinks.to(lse.dtype)[None, :, None])
+
+
+def two_part_forward(query, path_key, path_value, key, value, sinks, plan: _Plan):
+    """Merged output `(batch, n_heads, length, head_dim)`, log-sum-exp `(batch, n_heads, length)` (the sinks
+    included) and the parts' aux."""
     out_r, lse_r, aux_r = plan.own_kernel.forward(query, key, value, plan.own_mask, plan.scale, plan.softcap)
-    if plan.path_mask is None:
+    if plan.path_mask is None and sinks is None:
         return out_r, lse_r, (None, aux_r)
     batch = query.shape[0]
-    out_p, lse_p, aux_p = plan.path_kernel.forward(_fold(query), path_key, path_value, plan.path_mask, plan.scale,
-                                                   plan.softcap)  # (1, H, B * L, D), (1, H, B * L)
     acc = acc_dtype(query.dtype)
-    lse_p, lse_r = _unfold(lse_p, batch).to(acc), lse_r.to(acc)  # (B, H, L)
-    lse = torch.logaddexp(lse_p, lse_r)  # finite: every query sees its own key
+    lse_r = lse_r.to(acc)  # (B, H, L)
+    parts = [(out_r, lse_r)]
+    aux_p = None
+    if plan.path_mask is not None:
+        out_p, lse_p, aux_p = plan.path_kernel.forward(_fold(query), path_key, path_value, plan.path_mask, plan.scale,
+                                                       plan.softcap)  # (1, H, B * L, D), (1, H, B * L)
+        parts.append((_unfold(out_p, batch), _unfold(lse_p, batch).to(acc)))
+    lse = lse_r if len(parts) == 1 else torch.logaddexp(parts[0][1], parts[1][1])  # finite: a query sees its own key
+    lse = _sink_lse(lse, sinks)
     # (B, H, L, D) over (B, L, H, D) storage: the layout transformers wants next, and `_fold` of it is a view.
     out = torch.empty(batch, query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype,
                       device=query.device).transpose(1, 2)
-    torch.add(torch.exp(lse_p - lse)[..., None] * _unfold(out_p, batch).to(acc),
-              torch.exp(lse_r - lse)[..., None] * out_r.to(acc), out=out)
+    weighted = [torch.exp(part_lse - lse)[..., None] * part_out.to(acc) for part_out, part_lse in parts]
+    if len(weighted) == 1:
+        out.copy_(weighted[0])
+    else:
+        torch.add(weighted[1], weighted[0], out=out)
     return out, lse, (aux_p, aux_r)
 
 
-def two_part_backward(grad_out, query, path_key, path_value, key, value, out, lse, aux, plan: _Plan):
-    """Gradients of query, path key/value (None without a path) and own key/value, from the merged `(out, lse)`."""
+def two_part_backward(grad_out, query, path_key, path_value, key, value, sinks, out, lse, aux, plan: _Plan):
+    """Gradients of query, path key/value (None without a path), own key/value and the sinks (None without), from
+    the merged `(out, lse)`."""
     aux_p, aux_r = aux
     grad_query, grad_key, grad_value = plan.own_kernel.backward(
         grad_out, query, key, value, out, lse, aux_r, plan.own_mask, plan.scale, plan.softcap)
+    grad_sinks = None
+    if sinks is not None:  # the sink is a key of value 0: dS_sink = P_sink * (0 - rowsum(dO * O))
+        acc = lse.dtype
+        delta = (grad_out.to(acc) * out.to(acc)).sum(-1)  # (B, H, L)
+        p_sink = torch.exp(sinks.to(acc)[None, :, None] - lse)  # (B, H, L)
+        grad_sinks = -(p_sink * delta).sum((0, 2)).to(sinks.dtype)  # (H,)
     if plan.path_mask is None:
-        return grad_query, None, None, grad_key, grad_value
+        return grad_query, None, None, grad_key, grad_value, grad_sinks
     grad_fold, grad_path_key, grad_path_value = plan.path_kernel.backward(
         _fold(grad_out), _fold(query), path_key, path_value, _fold(out), _fold(lse), aux_p, plan.path_mask,
         plan.scale, plan.softcap)  # (1, H, B * L, D), (1, H_kv, P, D) summed over rows
     grad_query = grad_query + _unfold(grad_fold, query.shape[0])
-    return grad_query, grad_path_key, grad_path_value, grad_key, grad_value
+    return grad_query, grad_path_key, grad_path_value, grad_key, grad_value, grad_sinks
 
 
 class _TwoPartAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, path_key, path_value, key, value, plan):
-        out, lse, aux = two_part_forward(query, path_key, path_value, key, value, plan)
-        ctx.save_for_backward(query, path_key, path_value, key, value, out, lse)
+    def forward(ctx, query, path_key, path_value, key, value, sinks, plan):
+        out, lse, aux = two_part_forward(query, path_key, path_value, key, value, sinks, plan)
+        ctx.save_for_backward(query, path_key, path_value, key, value, sinks, out, lse)
         ctx.plan, ctx.aux = plan, aux
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, path_key, path_value, key, value, out, lse = ctx.saved_tensors
-        grads = two_part_backward(grad_out, query, path_key, path_value, key, value, out, lse, ctx.aux, ctx.plan)
+        query, path_key, path_value, key, value, sinks, out, lse = ctx.saved_tensors
+        grads = two_part_backward(grad_out, query, path_key, path_value, key, value, sinks, out, lse, ctx.aux,
+                                  ctx.plan)
         return (*grads, None)
 
 
@@ -188,10 +216,10 @@ def _make_plan(query, path_key, key, *, scale, positions, key_end, window, softc
     return _Plan(path_mask, own_mask, scale, softcap, path_kernel, own_kernel)
 
 
-def _two_part(query, path_key, path_value, key, value, *, chain, **options):
+def _two_part(query, path_key, path_value, key, value, *, sinks, chain, **options):
     """A two-part backend: plan, then run (through autograd only when a gradient is needed)."""
     plan = _make_plan(query, path_key, key, chain=chain, **options)
-    tensors = (query, path_key, path_value, key, value)
+    tensors = (query, path_key, path_value, key, value, sinks)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return _TwoPartAttention.apply(*tensors, plan)
     return two_part_forward(*tensors, plan)[0]
@@ -234,7 +262,7 @@ def resolve_backend(backend: str, device) -> str:
                      "`pip install triton` and CUDA, or TRITON_INTERPRET=1 on CPU).")
 
 
-def _check(query, path_key, path_value, key, value, positions, key_end):
+def _check(query, path_key, path_value, key, value, positions, key_end, sinks):
     if query.ndim != 4 or key.ndim != 4 or value.shape != key.shape:
         raise ValueError(f"`query` must be (batch, n_heads, length, head_dim) and `key`/`value` (batch, n_kv_heads, "
                          f"length, head_dim) of one shape, got {tuple(query.shape)}, {tuple(key.shape)}, "
@@ -262,16 +290,22 @@ def _check(query, path_key, path_value, key, value, positions, key_end):
         if t is not None and (t.shape != (batch, length) or t.dtype not in (torch.int32, torch.int64)):
             raise ValueError(f"`{name}` must be an integer tensor of shape (batch, length) = {(batch, length)}, "
                              f"got {tuple(t.shape)} {t.dtype}.")
+    if sinks is not None and (sinks.shape != (n_heads,) or not sinks.is_floating_point()
+                              or sinks.device != query.device):
+        raise ValueError(f"`sinks` must be a floating tensor of shape (n_heads,) = ({n_heads},) on the queries' "
+                         f"device (one sink logit per query head), got {tuple(sinks.shape)} {sinks.dtype} on "
+                         f"{sinks.device.type}.")
 
 
-def _options(query, path_key, path_value, key, value, scaling, positions, key_end, sliding_window, softcap):
+def _options(query, path_key, path_value, key, value, scaling, positions, key_end, sliding_window, softcap,
+             sinks=None):
     """Validated keyword options shared by the backends."""
-    _check(query, path_key, path_value, key, value, positions, key_end)
+    _check(query, path_key, path_value, key, value, positions, key_end, sinks)
     window = check_int("sliding_window", sliding_window, minimum=1, allow_none=True)
     if softcap is not None:
         softcap = check_float("softcap", softcap, minimum=0.0, exclusive=True)
     scale = query.shape[-1] ** -0.5 if scaling is None else check_float("scaling", scaling)
-    return dict(scale=scale, positions=positions, key_end=key_end, window=window, softcap=softcap)
+    return dict(scale=scale, positions=positions, key_end=key_end, window=window, softcap=softcap, sinks=sinks)
 
 
 def part_kernels(query, path_key, key, *, backend="auto", scaling=None, positions=None, key_end=None,
@@ -282,6 +316,7 @@ def part_kernels(query, path_key, key, *, backend="auto", scaling=None, position
     name = resolve_backend(backend, query.device)
     if name not in _CHAINS:
         return "concat", "concat"
+    options.pop("sinks")
     plan = _make_plan(query, path_key, key, chain=_CHAINS[name], **options)
     return (None if plan.path_kernel is None else plan.path_kernel.name), plan.own_kernel.name
 
@@ -298,6 +333,7 @@ def two_part_attention(
     key_end: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Attention of new tokens over `[path keys ; their row's own keys]`, the path stored once.
@@ -316,12 +352,16 @@ def two_part_attention(
             `key_end = column + 1`). Convert a tree mask with `key_end_from_row_mask`. None: causal rows.
         sliding_window (`int`, *optional*): key at position `s` visible to a query at `t` only if `s > t - window`.
         softcap (`float`, *optional*): logit soft-capping, `softcap * tanh(score / softcap)`.
+        sinks (`torch.Tensor` of shape `(n_heads,)`, *optional*): attention sinks (GPT-OSS's `s_aux`): head `h`'s
+            softmax denominator gains `exp(sinks[h])` for every query, as if each query also saw a key of logit
+            `sinks[h]` and value zero. Differentiable (the sinks' gradient is returned).
         backend (`str`, *optional*, defaults to `"auto"`): one of [`BACKENDS`].
 
     Returns:
         `torch.Tensor` of shape `(batch, n_heads, length, head_dim)`.
     """
-    options = _options(query, path_key, path_value, key, value, scaling, positions, key_end, sliding_window, softcap)
+    options = _options(query, path_key, path_value, key, value, scaling, positions, key_end, sliding_window, softcap,
+                       sinks)
     name = resolve_backend(backend, query.device)
     if path_key is not None and path_key.shape[2] == 0:
         path_key = path_value = None

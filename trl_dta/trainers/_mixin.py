@@ -45,7 +45,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-from accelerate.utils import is_peft_model
 from trl.trainer.utils import (
     shuffle_sequence_dict,
     split_pixel_values_by_grid,
@@ -57,11 +56,10 @@ from .. import _checks
 from ..balance import CostModel, forest_stats
 from ..batch import Layout, group_ids, has_vision_inputs, num_rows
 from ..engine import DTAEngine
-from ..engine.router_loss import LoadBalancing, router_spec
-from ..lm_head import HeadSpec
+from ..engine.router_loss import LoadBalancing
 from ..parallel import strategy_for
 from ..tree import PrefixTree
-from .config import _OFF, DTAArguments, check_trainer_args, check_trl_version
+from .config import DTAArguments, check_trainer_args, check_trl_version
 from .layouts import ROW_WEIGHT_KEY
 from .micro_batches import (
     balance_ranks,
@@ -72,6 +70,7 @@ from .micro_batches import (
     unpadded_metrics,
 )
 from .step_forest import StepForest, buffered_window
+from .support import check_policy
 
 
 @dataclass
@@ -179,23 +178,16 @@ class DTATrainerMixin:
         if not self._dta.dta_enabled:
             return
         self._dta_parallel = strategy_for(self)  # refuses an unsupported distributed setting, whatever its source
-        if self._is_vlm:
-            raise ValueError(f"DTA supports text-only models; vision-language inputs need TRL's dense path: {_OFF}")
         model = self.accelerator.unwrap_model(self.model)
-        if self.aux_loss_enabled:  # the MoE load-balancing loss: exact over the tree for the families it knows
-            router_spec(model.get_base_model() if is_peft_model(model) else model)
-        if is_peft_model(model) and any(c.is_prompt_learning for c in model.peft_config.values()):
-            raise ValueError(
-                "Prompt-learning adapters (prompt/prefix/p-tuning) add virtual tokens in the PEFT model's forward, "
-                f"which DTA does not run. Use a LoRA-style adapter, {_OFF}"
-            )
-        _checks.check_no_dropout(model, f"Set `disable_dropout=True`, {_OFF}", training_only=False)
-        HeadSpec.from_model(model.get_base_model() if is_peft_model(model) else model)
-        if self._dta_engine(model).layout.hybrid and getattr(self._dta_parallel, "lockstep", False):
+        # One refusal naming every blocker of the model and of TRL's use of it; builds the policy's engine.
+        check_policy(model, is_vlm=self._is_vlm, aux_loss_enabled=self.aux_loss_enabled,
+                     build_engine=lambda: self._dta_engine(model))
+        if not self._is_vlm and self._dta_engine(model).layout.hybrid and getattr(self._dta_parallel, "lockstep", False):
             raise ValueError(
                 "dta_fsdp_schedule='layer' runs packed subtree rows in lockstep across the ranks, which the recurrent "
                 "layers of this hybrid model cannot run exactly (a recurrence cannot follow a tree mask). Use "
-                f"dta_fsdp_schedule='window' (the default), {_OFF}"
+                "dta_fsdp_schedule='window' (the default), or set `dta_enabled=False` to train with the TRL trainer's "
+                "dense path."
             )
         self._dta_cost_model = CostModel(hidden_size=model.config.get_text_config().hidden_size)
         if self._dta.dta_group_shuffle:

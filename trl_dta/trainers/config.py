@@ -18,6 +18,7 @@ from trl import GRPOConfig, RLOOConfig
 
 from .._checks import check_bool, check_choice, check_float, check_int, warn_once
 from ..kernels import BACKENDS
+from ..refusal import TRAINER_CONFIG, Blocker, refuse
 from .layouts import SAMPLE_LAYOUTS
 from .tree_advantages import ADVANTAGES, PER_TOKEN
 
@@ -45,9 +46,6 @@ def check_trl_version(version: str | None = None) -> None:
 def _next_minor(version: str) -> str:
     major, minor = version.split(".")
     return f"{major}.{int(minor) + 1}"
-
-
-_OFF = "or set `dta_enabled=False` to train with the TRL trainer's dense path."
 
 
 @dataclass
@@ -457,21 +455,21 @@ DTARLOOConfig.__doc__ = _config_doc("DTARLOOTrainer", "RLOOConfig")
 
 
 def check_trainer_args(args) -> None:
-    """Options of the HF/TRL config that DTA cannot honour exactly; each error names the option and the fix."""
+    """Options of the HF/TRL config that DTA cannot honour exactly: one refusal naming each with its fix."""
+    blockers = []
     if args.fp16:
-        raise ValueError(
+        blockers.append(Blocker(
             "`fp16=True` is not supported with DTA: fp16 training multiplies the loss by accelerate's dynamic "
             "GradScaler scale inside `accelerator.backward` and unscales the gradients before the optimizer step, but "
-            "the DTA engine back-propagates inside `compute_loss`, so its gradients would miss that scale. Use "
-            f"`bf16=True` (TRL's default, bf16 autocast) or `bf16=False` (float32), {_OFF}"
-        )
+            "the DTA engine back-propagates inside `compute_loss`, so its gradients would miss that scale (`bf16=True`, "
+            "TRL's default, is bf16 autocast; `bf16=False` is float32)",
+            settings={"fp16": False}, where=TRAINER_CONFIG))
     if args.use_liger_kernel:
-        raise ValueError(
+        blockers.append(Blocker(
             "`use_liger_kernel=True` is not supported with DTA: Liger replaces the model's layers with kernels whose "
-            f"equivalence with DTA is untested. Set `use_liger_kernel=False`, {_OFF}"
-        )
+            "equivalence with DTA is untested", settings={"use_liger_kernel": False}, where=TRAINER_CONFIG))
     if getattr(args.optim, "value", args.optim) in ("lomo", "adalomo"):
-        raise ValueError(
-            f"`optim={args.optim!r}` fuses the optimizer step into `backward`, which DTA calls many times per "
-            f"optimizer step. Choose another optimizer, {_OFF}"
-        )
+        blockers.append(Blocker(
+            f"`optim={getattr(args.optim, 'value', args.optim)!r}` fuses the optimizer step into `backward`, which DTA "
+            "calls many times per optimizer step", settings={"optim": "adamw_torch"}, where=TRAINER_CONFIG))
+    refuse(f"A trainer with this {type(args).__name__}", blockers)

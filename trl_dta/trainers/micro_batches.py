@@ -85,6 +85,9 @@ def regrouping_changes(trainer, across_ranks: bool) -> str | None:
         reasons.append("the entropy bonus divides by the micro-batch's token count")
     if getattr(trainer, "top_entropy_quantile", 1.0) < 1.0:
         reasons.append("top_entropy_quantile < 1 thresholds entropies over the micro-batch")
+    if getattr(trainer, "aux_loss_enabled", False):
+        reasons.append("the MoE load-balancing loss (router_aux_loss_coef) multiplies routing fractions and mean router "
+                       "probabilities over each micro-batch's tokens")
     return "; ".join(reasons) or None
 
 

@@ -1,0 +1,391 @@
+"""The measuring steps of the GPU check (`benchmarks/gpu_check.sh`); each appends its rows to `<out>/<step>.csv` the
+moment they exist, so a run stopped at any point keeps every finished row.
+
+```
+python -m benchmarks.gpu_bench throughput --shape qwen3-1.7b --out DIR      # methods x workloads, bf16 autocast
+python -m benchmarks.gpu_bench trainer --shape qwen3-0.6b --out DIR         # GRPOTrainer vs DTAGRPOTrainer
+python -m benchmarks.gpu_bench prefix-memory --shape qwen3-1.7b --out DIR   # one long prompt, 4 / 32 / 128 siblings
+python -m benchmarks.gpu_bench summary --out DIR                            # summary.md and throughput.png
+```
+
+`--dry-run`: CPU, a tiny model and small sizes, the same files, columns, methods and workloads (`summary --dry-run`
+then fails unless every planned row exists without an error). `--deadline` (epoch seconds): work that would end after
+it is skipped, with a row that says so.
+
+**Throughput** (`throughput.csv`). Methods, all under TRL's precision (float32 parameters, bf16 autocast):
+`dense-ckpt`, TRL's default dense path (micro-batches of 8 padded rows, `per_device_train_batch_size`; HF gradient
+checkpointing, `gradient_checkpointing=True`; TRL's fused LM head: `baselines/dense.py`); `dense`, the same without
+checkpointing (where it fits); `sparse`, the packed tree mask (`baselines/sparse.py`: the tree tokens in packed rows
+of at most 8,192, ancestor-or-self mask, block-sparse attention), the seed's "sparse" baseline; `dta-torch`,
+`dta-triton`, `DTAEngine.forward_backward` on the named attention backend, every graph kept.
+
+Workloads: `tau2-airline` (per-turn rows of real airline episodes, `workloads.tau2_airline`) and the GRPO batch
+`grpo-p1024-g16-c256`. One worker process per method (`common.Worker`; a fork server on CUDA) builds the model and its
+AdamW state once, then per workload runs one untimed warm-up step (Triton compilation, cuBLAS selection, the
+allocator's pools) and up to `STEPS` timed steps (CUDA events) within `STEP_BUDGET_S`; the best step is kept. Peak
+memory: the allocator's peak over the workload's steps above the model and optimizer state. Running out of memory is
+a result (an error row); the worker goes on with the next workload. Ratios per workload: `vs_dense_ckpt` (tokens/s
+over `dense-ckpt`'s: the seed's 8.31x is against this baseline), `vs_sparse` (the seed's 1.70x), `vs_dense`.
+
+**Trainer** (`trainer.csv`): `benchmarks.bench_trainer.measure`, TRL's `GRPOTrainer` (`trl+ckpt`) and
+`DTAGRPOTrainer` (`dta+ckpt`) with TRL's defaults (bf16 autocast, gradient checkpointing, micro-batches of 8) on the
+GRPO batch: whole optimizer steps, generation excluded; `vs_trl`.
+
+**Prefix memory** (`prefix_memory.csv`): one 4,096-token prompt with 4 / 32 / 128 completions of 32 tokens;
+`dta-sdpa` (the concatenating reference, the path once per sibling) against `dta-torch` and `dta-triton` (the path
+once): peak memory, `mem_vs_first` (over the same method's at 4 siblings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from trl_dta.flops import ModelShape, get_model_shape, ideal_ratio
+
+from . import common, workloads
+
+METHODS = ("dense-ckpt", "dense", "sparse", "dta-torch", "dta-triton")
+WORKLOADS = ("tau2-airline", "grpo-p1024-g16-c256")
+TRAINER_METHODS = ("trl+ckpt", "dta+ckpt")
+PREFIX_METHODS = ("dta-sdpa", "dta-torch", "dta-triton")
+PRECISION = "bf16-autocast"
+STEPS, STEP_BUDGET_S = 3, 20.0  # timed steps per workload, and the time they may take (at least one runs)
+
+COLUMNS = ["step", "workload", "method", "model_shape", "precision", "device", "n_sequences", "n_tokens",
+           "n_tree_tokens", "compression_ratio", "ideal_ratio", "warmup_s", "step_s", "median_step_s", "steps",
+           "tokens_per_s", "vs_dense_ckpt", "vs_sparse", "vs_dense", "vs_trl", "peak_mem_mb", "mem_vs_dense_ckpt",
+           "mem_vs_trl", "mem_vs_first", "loss", "description", "error"]
+# The dry run's model: the real model's name with a `dry-` prefix, tiny dimensions.
+DRY_DIMS = dict(hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                vocab_size=512)
+
+
+def shape_of(name: str, dry_run: bool) -> ModelShape:
+    """The model shape a step runs: the named one, or in a dry run a tiny one named `dry-<name>`."""
+    if not dry_run:
+        return get_model_shape(name)
+    d = DRY_DIMS
+    return ModelShape(d["hidden_size"], d["intermediate_size"], d["num_layers"], d["num_heads"], d["num_kv_heads"],
+                      d["head_dim"], d["vocab_size"], name=f"dry-{name}")
+
+
+def grid_workloads(dry_run: bool, vocab_size: int) -> list[workloads.Workload]:
+    """`WORKLOADS` at the GPU sizes (tau2: 1 task x 4 episodes, 36 per-turn rows, ~205K tokens, 24x; GRPO: 16 x
+    1,280 tokens, 4x), or the dry run's (tau2: 2 episodes, 3 turns each, a 48-token shared prefix; GRPO at 1/32)."""
+    if dry_run:
+        return [workloads.tau2_airline(1, 2, vocab_size, prefix_tokens=48, max_turns=3),
+                workloads.grpo(1024, 16, 256, scale=1 / 32, vocab_size=vocab_size)]
+    return [workloads.tau2_airline(1, 4, vocab_size), workloads.grpo(1024, 16, 256, vocab_size=vocab_size)]
+
+
+def prefix_workloads(dry_run: bool, vocab_size: int) -> list[workloads.Workload]:
+    prompt, completion, siblings = (128, 4, (2, 8)) if dry_run else (4096, 32, (4, 32, 128))
+    out = []
+    for n in siblings:
+        w = workloads.grpo(prompt, n, completion, vocab_size=vocab_size)
+        w.name = f"prefix-p{prompt}-g{n}-c{completion}"
+        out.append(w)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- rows
+
+
+def append_row(path: Path, row: dict) -> None:
+    """Append one row (`COLUMNS`, missing values empty) to `path`, writing the header first for a new file."""
+    new = not path.exists()
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        if new:
+            writer.writeheader()
+        writer.writerow({k: common._fmt(row.get(k)) for k in COLUMNS})
+
+
+def read_rows(path: Path) -> list[dict]:
+    return common.read_csv(path) if path.exists() else []
+
+
+def _ratio(a, b):
+    return a / b if a and b else None
+
+
+def fill_ratios(row: dict, done: list[dict]) -> dict:
+    """The row's ratios against the reference rows among `done` of its step, workload and model (the latest, after
+    a rerun)."""
+    def ref(method):
+        return next((r for r in reversed(done) if r["method"] == method and r["workload"] == row["workload"]
+                     and r["model_shape"] == row["model_shape"] and r.get("tokens_per_s")), None)
+
+    for key, method in (("vs_dense_ckpt", "dense-ckpt"), ("vs_sparse", "sparse"), ("vs_dense", "dense"),
+                        ("vs_trl", "trl+ckpt")):
+        other = ref(method)
+        row[key] = _ratio(row.get("tokens_per_s"), other and other["tokens_per_s"])
+    for key, method in (("mem_vs_dense_ckpt", "dense-ckpt"), ("mem_vs_trl", "trl+ckpt")):
+        other = ref(method)
+        row[key] = _ratio(row.get("peak_mem_mb"), other and other.get("peak_mem_mb"))
+    if row.get("step") == "prefix-memory":  # over the same method's run at the fewest siblings
+        first = next((r for r in done if r["method"] == row["method"] and r["model_shape"] == row["model_shape"]
+                      and r.get("peak_mem_mb")), None)
+        row["mem_vs_first"] = _ratio(row.get("peak_mem_mb"), first and first["peak_mem_mb"]) if first else 1.0
+    return row
+
+
+# ---------------------------------------------------------------------------------------------------- grid runs
+
+
+class _Timer:
+    """Seconds of one region: CUDA events on the current stream on GPU, `perf_counter` on CPU."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def __enter__(self):
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.end.record()
+            self.end.synchronize()
+            self.seconds = self.start.elapsed_time(self.end) / 1000
+        else:
+            self.seconds = time.perf_counter() - self.t0
+
+
+class GridRun:
+    """One method on one model in a worker process: the model and AdamW state built once, then `run(workload)`.
+
+    Args:
+        method (`str`): a key of `bench_engine.PROVIDERS`.
+        shape ([`~trl_dta.flops.ModelShape`]): the model.
+        device (`str`): `"cuda"` or `"cpu"`.
+        precision (`str`, *optional*, defaults to `"bf16-autocast"`): float32 parameters under bf16 autocast (TRL's
+            default), or a parameter dtype of `common.DTYPES`.
+        threads (`int`, *optional*): torch threads (CPU).
+    """
+
+    def __init__(self, method: str, shape: ModelShape, device: str, precision: str = PRECISION,
+                 threads: int | None = None, seed: int = 0):
+        from .bench_engine import PROVIDERS, MethodConfig
+
+        common.set_threads(threads)
+        self.method, self.shape, self.device, self.precision = method, shape, device, precision
+        self.autocast = precision == "bf16-autocast"
+        dtype = torch.float32 if self.autocast else common.parse_dtype(precision)
+        torch.manual_seed(seed)
+        self.model = common.build_model(shape, dtype, device, seed=seed)
+        self.optimizer = common.make_optimizer(self.model)
+        self.provider = PROVIDERS[method](self.model, MethodConfig())
+        self.cuda = device.startswith("cuda")
+        self.mem = common.PeakMemory(device)
+
+    @staticmethod
+    def pid() -> int:
+        return os.getpid()
+
+    def _step(self, seqs, loss_fn):
+        with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.autocast):
+            out = self.provider.forward_backward(seqs, loss_fn)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return out
+
+    def run(self, workload: workloads.Workload, steps: int = STEPS, budget_s: float = STEP_BUDGET_S) -> dict:
+        """One warm-up step, then timed steps (at least one, at most `steps`, while within `budget_s`): the row."""
+        tree = workload.tree()
+        row = dict(workload=workload.name, method=self.method, model_shape=self.shape.name, precision=self.precision,
+                   device=self.device, n_sequences=tree.n_sequences, n_tokens=tree.n_tokens,
+                   n_tree_tokens=tree.n_tree_tokens, compression_ratio=tree.compression_ratio,
+                   ideal_ratio=ideal_ratio(tree, self.shape), description=workload.description)
+        loss_fn = common.make_loss_fn(len(workload.seqs), tree.n_tokens)
+        seqs = workload.seqs
+        self.mem.reset()
+        times, out = [], None
+        try:
+            with _Timer(self.cuda) as warm:
+                self._step(seqs, loss_fn)
+            row["warmup_s"] = warm.seconds
+            while len(times) < steps and (not times or sum(times) + times[-1] <= budget_s):
+                with _Timer(self.cuda) as t:
+                    out = self._step(seqs, loss_fn)
+                times.append(t.seconds)
+        except torch.OutOfMemoryError as e:
+            row["error"] = "out of memory: " + str(e).splitlines()[0][:200]
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            row["peak_mem_mb"] = max(self.mem.peak_mb(), 0.0)
+            gc.collect()
+            if self.cuda:
+                torch.cuda.empty_cache()
+        if times:
+            best = min(times)
+            row.update(step_s=best, median_step_s=sorted(times)[len(times) // 2], steps=len(times),
+                       tokens_per_s=tree.n_tokens / best, loss=out.loss)
+        return row
+
+
+def _skipped(step: str, workload, method: str, shape: ModelShape, why: str) -> dict:
+    return dict(step=step, workload=workload.name, method=method, model_shape=shape.name, error=f"skipped: {why}",
+                description=workload.description)
+
+
+def run_methods(step: str, methods, grid, shape: ModelShape, device: str, path: Path, deadline: float,
+                threads: int | None, steps: int = STEPS, precision: str = PRECISION) -> list[dict]:
+    """Every method on every workload of `grid` (one worker per method), each row appended to `path` at once."""
+    done = [r for r in read_rows(path) if r.get("step") == step]
+    for method in methods:
+        left = deadline - time.time()
+        if left < 15:
+            for w in grid:
+                append_row(path, _skipped(step, w, method, shape, "no time left before the deadline"))
+            continue
+        try:
+            worker = common.Worker(GridRun, method, shape, device, precision, threads, timeout=left)
+        except RuntimeError as e:
+            for w in grid:
+                append_row(path, _skipped(step, w, method, shape, "worker failed: " + str(e).splitlines()[0]))
+            continue
+        try:
+            for i, w in enumerate(grid):
+                left = deadline - time.time()
+                if worker is None or left < 5:
+                    why = "the worker stopped (see the row above)" if worker is None else \
+                        "no time left before the deadline"
+                    append_row(path, _skipped(step, w, method, shape, why))
+                    continue
+                worker.timeout = left
+                try:
+                    row = worker.call("run", w, steps)
+                except RuntimeError as e:  # timed out or died: the worker is gone
+                    row = dict(step=step, workload=w.name, method=method, model_shape=shape.name,
+                               description=w.description, error=str(e).strip().splitlines()[0][:300])
+                    worker = None
+                row["step"] = step
+                fill_ratios(row, done)
+                done.append(row)
+                append_row(path, row)
+                common.log(_line(row))
+        finally:
+            if worker is not None:
+                worker.close()
+    return done
+
+
+def _line(row: dict) -> str:
+    if not row.get("tokens_per_s"):
+        return f"   {row['workload']:22s} {row['method']:11s} {row.get('error', '')}"
+    extra = "".join(f"  {k} {row[k]:.2f}x" for k in ("vs_dense_ckpt", "vs_sparse", "vs_trl") if row.get(k))
+    return (f"   {row['workload']:22s} {row['method']:11s} {row['step_s']:8.3f} s {row['tokens_per_s']:10.0f} tok/s "
+            f"peak {row['peak_mem_mb']:8.0f} MB{extra}")
+
+
+# ---------------------------------------------------------------------------------------------------- steps
+
+
+def throughput(args) -> None:
+    from trl_dta.kernels import available_backends
+
+    shape = shape_of(args.shape, args.dry_run)
+    grid = grid_workloads(args.dry_run, shape.vocab_size)
+    _announce("throughput", shape, grid)
+    # flash-attn is never built here; with a carried wheel its backend is measured too.
+    methods = METHODS + (("dta-flash",) if "flash" in available_backends(args.device) else ())
+    run_methods("throughput", methods, grid, shape, args.device, args.out / "throughput.csv", args.deadline,
+                args.threads, args.steps)
+
+
+def prefix_memory(args) -> None:
+    shape = shape_of(args.shape, args.dry_run)
+    grid = prefix_workloads(args.dry_run, shape.vocab_size)
+    _announce("prefix memory", shape, grid)
+    path = args.out / "prefix_memory.csv"
+    rows = run_methods("prefix-memory", PREFIX_METHODS, grid, shape, args.device, path, args.deadline, args.threads,
+                       args.steps)
+    for r in rows:
+        if r.get("mem_vs_first"):
+            common.log(f"   {r['workload']:22s} {r['method']:11s} peak {r['peak_mem_mb']:8.0f} MB "
+                       f"({r['mem_vs_first']:.2f}x of its fewest siblings)")
+
+
+def trainer(args) -> None:
+    """`GRPOTrainer` vs `DTAGRPOTrainer` with TRL's defaults on the GRPO batch (whole optimizer steps)."""
+    from .bench_trainer import measure
+
+    shape = shape_of(args.shape, args.dry_run)
+    w = grid_workloads(args.dry_run, shape.vocab_size)[1]
+    prompt_len, group = w.params["prompt_len"], w.params["group"]
+    _announce("trainer", shape, [w])
+    path = args.out / "trainer.csv"
+    done = [r for r in read_rows(path) if r.get("step") == "trainer"]
+    for method in TRAINER_METHODS:
+        left = args.deadline - time.time()
+        if left < 30:
+            append_row(path, _skipped("trainer", w, method, shape, "no time left before the deadline"))
+            continue
+        try:
+            row = common.run_isolated(measure, w, prompt_len, group, method, shape, args.device, "bf16", 8,
+                                      args.steps, args.threads, timeout=left)
+            row.update(step="trainer", precision="bf16-autocast (TRL's bf16=True)", description=w.description,
+                       steps=args.steps)
+        except RuntimeError as e:
+            row = dict(step="trainer", workload=w.name, method=method, model_shape=shape.name,
+                       error=str(e).strip().splitlines()[0][:300])
+        fill_ratios(row, done)
+        done.append(row)
+        append_row(path, row)
+        common.log(_line(row))
+
+
+def _announce(step, shape, grid):
+    for w in grid:
+        tree = w.tree()
+        common.log(f"== {step} {shape.name}: {w.name}: {tree.n_sequences} rows, {tree.n_tokens} tokens, "
+                   f"{tree.n_tree_tokens} tree tokens ({tree.compression_ratio:.1f}x) [{w.description}]")
+
+
+def summary(args) -> None:
+    from .gpu_summary import summary as write_summary
+
+    write_summary(args.out, [tuple(pair.split("=", 1)) for pair in args.expect], args.dry_run)
+
+
+STEPS_BY_NAME = {"throughput": throughput, "trainer": trainer, "prefix-memory": prefix_memory, "summary": summary}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("step", choices=list(STEPS_BY_NAME))
+    p.add_argument("--shape", default="qwen3-1.7b")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny model and sizes: the same files and columns")
+    p.add_argument("--deadline", type=float, default=math.inf, help="epoch seconds; later work is skipped")
+    p.add_argument("--expect", nargs="*", default=[],
+                   help="summary: STEP=MODEL pairs a complete run has rows for (a dry run fails without them)")
+    args = p.parse_args(argv)
+    args.device = "cpu" if args.dry_run else "cuda"
+    if not args.dry_run and not torch.cuda.is_available():
+        raise SystemExit("FAIL: no CUDA device; run with --dry-run on a CPU.")
+    args.threads = 1 if args.dry_run else None
+    args.steps = 1 if args.dry_run else STEPS  # timed steps (the trainer: optimizer steps after a warm-up one)
+    args.out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    STEPS_BY_NAME[args.step](args)
+
+
+if __name__ == "__main__":
+    # Run from the importable module, so that the worker classes pickle as `benchmarks.gpu_bench.*`, not `__main__.*`.
+    from benchmarks.gpu_bench import main as _main
+
+    _main()

@@ -1,0 +1,56 @@
+"""What a DTA trainer refuses at construction, in one message (`refusal.py`): the model's own blockers (the engine's
+rules and probe, `models.py`) and those only a trainer knows: TRL's MoE router loss for a family DTA does not reproduce,
+dropout rates before TRL calls `model.train()`, prompt-learning adapters, vision-language models.
+
+Trainer-argument blockers (`config.check_trainer_args`: fp16, Liger, fused optimizers) are refused earlier, before the
+TRL trainer loads the model, in one message of their own: they need no model, and TRL's construction would not get far
+with some of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from accelerate.utils import is_peft_model
+
+from .._checks import dropout_blockers
+from ..engine.router_loss import router_loss_blocker
+from ..models import refusal_subject, refusal_tail
+from ..refusal import TRAINER_CONFIG, Blocker, DTAUnsupportedError, refuse
+
+_DISABLE_DROPOUT = Blocker("", settings={"disable_dropout": True}, where=TRAINER_CONFIG)
+_VISION = Blocker("it is a vision-language model: DTA supports text-only models, and vision-language inputs need TRL's "
+                  "dense path")
+_PROMPT_LEARNING = Blocker("its prompt-learning adapters (prompt/prefix/p-tuning) add virtual tokens in the PEFT "
+                           "model's forward, which DTA does not run",
+                           fix="use a LoRA-style adapter instead (e.g. `peft_config=LoraConfig(...)`)")
+
+
+def check_policy(model, *, is_vlm: bool, aux_loss_enabled: bool, build_engine: Callable[[], object]) -> None:
+    """Build the policy's engine, or refuse with every blocker of the model and of the trainer's use of it.
+
+    Args:
+        model (`transformers.PreTrainedModel` or `peft.PeftModel`): the unwrapped policy.
+        is_vlm (`bool`): TRL's `_is_vlm` (the engine is not built for a vision-language model).
+        aux_loss_enabled (`bool`): TRL's `aux_loss_enabled` (the MoE router loss is on).
+        build_engine (`Callable[[], DTAEngine]`): builds the policy's engine (whose construction checks the model).
+
+    Raises:
+        `DTAUnsupportedError`: one message listing every blocker with its fix.
+    """
+    lm = model.get_base_model() if is_peft_model(model) else model
+    blockers: list[Blocker] = []
+    if is_vlm:
+        blockers.append(_VISION)
+    else:
+        try:
+            build_engine()
+        except DTAUnsupportedError as refusal:
+            blockers += refusal.blockers
+    if aux_loss_enabled:  # TRL's MoE load-balancing loss: exact over the tree for the families DTA knows
+        router = router_loss_blocker(lm)
+        blockers += [router] if router is not None else []
+    if is_peft_model(model) and any(c.is_prompt_learning for c in model.peft_config.values()):
+        blockers.append(_PROMPT_LEARNING)
+    blockers += dropout_blockers(model, _DISABLE_DROPOUT, training_only=False)
+    refuse(refusal_subject(lm), blockers, refusal_tail())
