@@ -159,9 +159,28 @@ def _blocker(call: ast.Call, names: dict[str, ast.expr]) -> str | None:
         return f"{text}. Fix: set ⟨{ast.unparse(settings)}⟩ in the {where}."
     if fix is not None:
         return f"{text}. Fix: {_render(fix, names)}."
-    if func == "replace":  # the template's fix, named where it is used
-        return f"{text}. Fix: as the message names it."
+    if func == "replace":  # a template's fix: the templates are listed by `_template_fixes`
+        return f"{text}. {_TEMPLATE_FIX}"
     return f"{text}. No setting removes it."
+
+
+_TEMPLATE_FIX = "Fix: the one its caller names"
+
+
+def _template_fixes(package: Path = PACKAGE) -> str:
+    """The fixes of the module-level blocker templates (`NAME = Blocker("", settings=..., fix=...)`: a fix whose
+    feature is filled in with `replace` where it is found), each with the module that passes it."""
+    out = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                    and ast.unparse(node.value.func) == "Blocker" and node.value.args
+                    and isinstance(node.value.args[0], ast.Constant) and node.value.args[0].value == ""):
+                call = ast.Call(node.value.func, [ast.Constant("x")], node.value.keywords)
+                fix = _blocker(call, {}).split(". ", 1)[1].removeprefix("Fix: ").rstrip(".")
+                module = path.relative_to(package.parent).with_suffix("").as_posix().replace("/", ".")
+                out.append(f"{fix} (`{module}`)")
+    return "; ".join(out)
 
 
 def collect_refusals(package: Path = PACKAGE) -> list[dict]:
@@ -243,7 +262,8 @@ def refusals() -> str:
                 "| error | message (the fix is in it) | raised in |", "|---|---|---|"]
         for e in rows:
             where = e["module"].removesuffix(".py").replace("/", ".") + (f".{e['function']}" if e["function"] else "")
-            out.append(f"| `{e['exception']}` | {_cell(e['message'])} | `{where}` |")
+            message = e["message"].replace(_TEMPLATE_FIX, f"{_TEMPLATE_FIX}: {_template_fixes()}")
+            out.append(f"| `{e['exception']}` | {_cell(message)} | `{where}` |")
         out.append("")
     return "\n".join(out)
 
