@@ -249,7 +249,7 @@ def _cell(text: str) -> str:
 
 def refusals() -> str:
     """The generated part of `troubleshooting.md`: one section per group, one table row per refusal."""
-    entries = collect_refusals()
+    entries, templates = collect_refusals(), _template_fixes()
     by_group: dict[str, list[dict]] = {title: [] for title, _, _ in GROUPS}
     for entry in entries:
         by_group[group_of(entry["module"], entry.get("blocker", False))].append(entry)
@@ -262,7 +262,7 @@ def refusals() -> str:
                 "| error | message (the fix is in it) | raised in |", "|---|---|---|"]
         for e in rows:
             where = e["module"].removesuffix(".py").replace("/", ".") + (f".{e['function']}" if e["function"] else "")
-            message = e["message"].replace(_TEMPLATE_FIX, f"{_TEMPLATE_FIX}: {_template_fixes()}")
+            message = e["message"].replace(_TEMPLATE_FIX, f"{_TEMPLATE_FIX}: {templates}")
             out.append(f"| `{e['exception']}` | {_cell(message)} | `{where}` |")
         out.append("")
     return "\n".join(out)

@@ -76,3 +76,18 @@ def test_readme_links_into_the_docs_resolve():
         assert target.is_file(), f"README links to {path}, which does not exist"
         if anchor:
             assert anchor in _anchors(target.read_text()), f"README links to {path}#{anchor}: no such heading"
+
+
+def test_config_page_survives_hfargumentparser():
+    """`HfArgumentParser` (the recipes' parser) replaces the config fields' `type` in place (`list[int] | None` becomes
+    `list[int]`): the page, built later in the same process, reads the class's own annotations."""
+    from transformers import HfArgumentParser
+
+    from trl_dta import DTAGRPOConfig
+    from trl_dta.trainers.config import dta_parameters_doc, dta_parameters_markdown
+
+    before = dta_parameters_markdown(), dta_parameters_doc()
+    HfArgumentParser(DTAGRPOConfig)
+    assert (dta_parameters_markdown(), dta_parameters_doc()) == before
+    assert "`list[int]` or `None`" in before[0]
+
