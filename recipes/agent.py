@@ -53,6 +53,9 @@ accelerate launch --config_file recipes/configs/accelerate_multi_cpu.yaml recipe
     --config recipes/configs/agent.yaml
 
 # The real tau2-bench domains at their defaults (pip install "trl-dta[tau2]"), offline, tiny model
+# (2-core CPU, measured in benchmarks/RESULTS.md: mock ~23 min wall for its 3 steps, peak RSS 0.93 GB; airline's first
+# step had not finished after 33 min, 1.75 GB RSS: smoke-test it with --max_steps 1 --agent_max_turns 2
+# --max_completion_length 64, train it on a GPU)
 python recipes/agent.py --agent_domain mock
 python recipes/agent.py --agent_domain airline
 python recipes/agent.py --agent_domain retail --agent_reward shaped
@@ -77,6 +80,7 @@ import resource
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,6 +88,7 @@ import torch
 from trl import ModelConfig, TrlParser, get_peft_config
 
 from trl_dta import DTAGRPOConfig, DTAGRPOTrainer, tiny
+from trl_dta.trainers.console import modern_flags, quiet_console, use_console
 from trl_dta.envs import SHAPED_REWARDS, AgentRolloutFunc, RetailDomain, build_dataset, episode_reward, outcome_reward
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
@@ -142,6 +147,9 @@ class AgentScriptArguments:
             Depth of the embedded model.
         summary_window (`int`, *optional*, defaults to `5`):
             Number of first and last logged steps whose mean rewards the summary compares.
+        console_steps (`int`, *optional*):
+            Optimizer steps between two console lines (reward, compression, step time). Defaults to a tenth of
+            `max_steps`. Every step's metrics still reach `report_to` and the summary.
         torch_num_threads (`int`, *optional*):
             Intra-op CPU threads of each process (`torch.set_num_threads`). Defaults to torch's choice.
     """
@@ -209,6 +217,13 @@ class AgentScriptArguments:
     summary_window: int = field(
         default=5,
         metadata={"help": "Number of first and last logged steps whose mean rewards the summary compares."},
+    )
+    console_steps: int | None = field(
+        default=None,
+        metadata={
+            "help": "Optimizer steps between two console lines (reward, compression, step time). Defaults to a tenth "
+            "of `max_steps`. Every step's metrics still reach `report_to` and the summary."
+        },
     )
     torch_num_threads: int | None = field(
         default=None,
@@ -475,14 +490,18 @@ def main(script_args: AgentScriptArguments, training_args: DTAGRPOConfig, model_
         model_init_kwargs.update(training_args.model_init_kwargs)
     training_args.model_init_kwargs = model_init_kwargs
 
-    trainer = DTAGRPOTrainer(
-        model=model_args.model_name_or_path,
-        reward_funcs=workload.reward_funcs,
-        args=training_args,
-        train_dataset=workload.dataset,
-        peft_config=get_peft_config(model_args),
-        rollout_func=workload.rollout,
-    )
+    with warnings.catch_warnings():
+        # The recipe chooses TRL's `rollout_func` on purpose; TRL 1.16 calls it experimental at every construction.
+        warnings.filterwarnings("ignore", message="You are using 'rollout_func'", category=UserWarning)
+        trainer = DTAGRPOTrainer(
+            model=model_args.model_name_or_path,
+            reward_funcs=workload.reward_funcs,
+            args=training_args,
+            train_dataset=workload.dataset,
+            peft_config=get_peft_config(model_args),
+            rollout_func=workload.rollout,
+        )
+    use_console(trainer, script_args.console_steps)
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     wall_time = time.perf_counter() - start
@@ -515,7 +534,7 @@ def parse_args(argv: list[str] | None = None):
     """Parses the command line. Without `--config` and `--model_name_or_path`, the domain's default config applies
     (`configs/agent.yaml` for the stand-in, `configs/agent_tau2.yaml` for tau2 domains); without `--output_dir` (on
     the command line or in a config) output goes to `outputs/agent-<domain>`."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = modern_flags(list(sys.argv[1:] if argv is None else argv))
     named = _named(argv)
     domain = named.get("--agent_domain") or "standin"
     if "--config" not in named and "--model_name_or_path" not in named:
@@ -534,6 +553,7 @@ def parse_args(argv: list[str] | None = None):
 
 
 if __name__ == "__main__":
+    quiet_console()  # warnings once, from the main process
     try:
         args = parse_args()
         check_script_args(args[0])

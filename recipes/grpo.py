@@ -59,6 +59,7 @@ import torch
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 from trl_dta import DTAGRPOConfig, DTAGRPOTrainer, tiny
+from trl_dta.trainers.console import modern_flags, quiet_console, use_console
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
 
@@ -102,6 +103,9 @@ class GRPOScriptArguments(ScriptArguments):
             Depth of the embedded model.
         summary_window (`int`, *optional*, defaults to `5`):
             Number of first and last logged steps whose mean rewards the summary compares.
+        console_steps (`int`, *optional*):
+            Optimizer steps between two console lines (reward, compression, step time). Defaults to a tenth of
+            `max_steps`. Every step's metrics still reach `report_to` and the summary.
         torch_num_threads (`int`, *optional*):
             Intra-op CPU threads of each process (`torch.set_num_threads`). Defaults to torch's choice.
     """
@@ -128,6 +132,13 @@ class GRPOScriptArguments(ScriptArguments):
     summary_window: int = field(
         default=5,
         metadata={"help": "Number of first and last logged steps whose mean rewards the summary compares."},
+    )
+    console_steps: int | None = field(
+        default=None,
+        metadata={
+            "help": "Optimizer steps between two console lines (reward, compression, step time). Defaults to a tenth "
+            "of `max_steps`. Every step's metrics still reach `report_to` and the summary."
+        },
     )
     torch_num_threads: int | None = field(
         default=None,
@@ -292,6 +303,7 @@ def main(script_args: GRPOScriptArguments, training_args: DTAGRPOConfig, model_a
         eval_dataset=eval_dataset,
         peft_config=get_peft_config(model_args),
     )
+    use_console(trainer, script_args.console_steps)
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     wall_time = time.perf_counter() - start
@@ -316,7 +328,7 @@ def main(script_args: GRPOScriptArguments, training_args: DTAGRPOConfig, model_a
 
 def parse_args(argv: list[str] | None = None):
     """Parses the command line; without `--config` and `--model_name_or_path`, `configs/default.yaml` applies."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = modern_flags(list(sys.argv[1:] if argv is None else argv))
     named = {arg.split("=", 1)[0] for arg in argv}
     if "--config" not in named and "--model_name_or_path" not in named:
         argv = ["--config", str(DEFAULT_CONFIG), *argv]
@@ -325,6 +337,7 @@ def parse_args(argv: list[str] | None = None):
 
 
 if __name__ == "__main__":
+    quiet_console()  # warnings once, from the main process
     trainer = main(*parse_args())
     if trainer.accelerator.num_processes > 1:
         # Leave without running destructors. Freeing the DDP model destroys the gloo process group, whose destructor

@@ -100,6 +100,19 @@ def test_defaultrun(tmp_path):
     assert 4.0 < summary["ratio"] < 8.0
     assert summary["tree"] <= summary["computed"] < summary["dense"]
     assert (out / "initial_model" / "tokenizer.json").is_file() and (out / "model.safetensors").is_file()
+    _assert_readable_console(result, steps=3)
+
+
+def _assert_readable_console(result: subprocess.CompletedProcess, steps: int) -> None:
+    """A short line per step (a tenth of 3 or 2 steps is every step), never the metrics dict, no warning that our
+    code triggers, and each warning once (under `accelerate launch`: from the main process only)."""
+    out = result.stdout
+    lines = re.findall(r"^step +\d+/\d+  reward [\d.]+  compression [\d.]+x  step [\d.]+ s$", out, re.M)
+    assert len(lines) == steps, out[-3000:]
+    assert "{'loss'" not in out and "'train_runtime'" not in out, out[-3000:]
+    assert "FutureWarning" not in result.stderr, result.stderr[-3000:]
+    said = [line for line in (out + result.stderr).splitlines() if "warn" in line.lower()]
+    assert len(said) == len(set(said)), said
 
 
 def test_lora_configrun(tmp_path):
@@ -109,6 +122,7 @@ def test_lora_configrun(tmp_path):
     summary = _summary(result)
     assert summary["steps"] == 2 and 4.0 < summary["ratio"] < 8.0
     assert (out / "adapter_config.json").is_file()
+    _assert_readable_console(result, steps=2)
 
 
 @pytest.mark.distributed
@@ -121,3 +135,4 @@ def test_two_process_cpu_launch(tmp_path):
     assert summary["processes"] == 2 and summary["steps"] == 2
     assert 4.0 < summary["ratio"] < 8.0
     assert "groups balanced over 2 processes" in result.stdout
+    _assert_readable_console(result, steps=2)

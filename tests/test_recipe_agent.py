@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -89,6 +90,10 @@ def test_shortrun(tmp_path):
     assert summary["compression_ratio"] > summary["compression_ratio_micro_batch"] > 4.0
     assert summary["tree_tokens"] * summary["compression_ratio"] == pytest.approx(summary["tokens"], rel=0.2)
     assert (out / "initial_model" / "tokenizer.json").is_file() and (out / "model.safetensors").is_file()
+    # The console: a short line per step, never the metrics dict, no warning that our code (or the recipe) triggers.
+    assert len(re.findall(r"^step \d/2  reward [\d.]+  compression [\d.]+x  step [\d.]+ s$", result.stdout,
+                          re.M)) == 2, result.stdout[-3000:]
+    assert "{'loss'" not in result.stdout and "Warning" not in result.stderr, result.stderr[-3000:]
 
 
 def test_mock_domain_end_to_end(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import os
 from dataclasses import replace
 
 from .refusal import MODEL_CONFIG, Blocker, refuse
@@ -20,11 +21,24 @@ logger = logging.getLogger("trl_dta")
 _warned: set[str] = set()
 
 
-def warn_once(key: str, msg: str) -> None:
-    """Log `msg` as a warning the first time `key` is seen in this process."""
+def is_main_process() -> bool:
+    """Whether this process is the run's main one: global rank 0 of the initialised process group, else `RANK`
+    (which `accelerate launch` and `torchrun` set before the group exists), else a single process."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0").strip() in ("", "0")
+
+
+def warn_once(key: str, msg: str, *, every_rank: bool = False) -> None:
+    """Log `msg` as a warning the first time `key` is seen in this process, on the main process only (every process
+    of a run holds the same configuration, so one copy says it all), or on every rank with `every_rank=True` (for
+    what only one rank may see, e.g. an episode that failed there)."""
     if key not in _warned:
         _warned.add(key)
-        logger.warning(msg)
+        if every_rank or is_main_process():
+            logger.warning(msg)
 
 
 def is_int(value) -> bool:

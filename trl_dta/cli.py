@@ -101,8 +101,9 @@ def analyze(
 
     Args:
         seqs (`list[list[int]]`): the rollouts, in order (lists of token ids or 1-D integer tensors; not empty).
-        model_shape (`str`, [`~trl_dta.flops.ModelShape`] or a `transformers` config, *optional*, defaults to
-            `"qwen3-1.7b"`): for the FLOP counts and the balance cost model's hidden size.
+        model_shape (`str`, `ModelShape` or a config, *optional*, defaults to `"qwen3-1.7b"`): for the FLOP counts
+            and the balance cost model's hidden size (a name, a [`~trl_dta.flops.ModelShape`] or a `transformers`
+            config).
         batch_size (`int`, *optional*): sequences per global batch (default: one batch of all).
         num_processes (`int`, *optional*): ranks to balance each batch over, as the DTA trainers do
             ([`~trl_dta.balance.partition_for_ranks`]); it must divide the size of every batch.

@@ -293,7 +293,7 @@ def partition_for_ranks(seqs_or_tree, k: int, *, group_ids=None, cost_model: Cos
         [`Partition`]: `.parts[rank]` holds the original indices of that rank's `n / k` sequences.
 
     Raises:
-        `ValueError`: when `k` does not divide `n`, or the groups cannot be dealt out whole (sizes differ, or `n / k` is
-        not a multiple of `G`).
+        `ValueError`: when `k` does not divide `n`, or the groups cannot be dealt out whole (sizes differ, or `n / k`
+            is not a multiple of `G`).
     """
     return partition(seqs_or_tree, k, cost_model=cost_model, group_ids=group_ids, keep_groups=True, equal_count=True)

@@ -140,8 +140,8 @@ class CachedGenerate:
         model ([`~transformers.PreTrainedModel`]): the policy (its mode is left as it is).
         tokenizer: its tokenizer (pad and eos ids; any object with `eos_token_id` and `pad_token_id`).
         generation_config ([`~transformers.GenerationConfig`], *optional*): as in [`reprefill_generate_fn`].
-        chunk_tokens (`int`, *optional*, defaults to `512`), max_batch_tokens (`int`, *optional*, defaults to
-            `8192`): the cache's prefill chunk per row and tokens per forward ([`PrefixCache`]).
+        chunk_tokens (`int`, *optional*, defaults to `512`): the cache's prefill chunk per row ([`PrefixCache`]).
+        max_batch_tokens (`int`, *optional*, defaults to `8192`): the cache's tokens per forward ([`PrefixCache`]).
         **generation_kwargs: overrides of the generation config.
 
     Attributes:

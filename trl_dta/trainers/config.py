@@ -9,6 +9,7 @@ per kind of value: `True` is never a count, `2.0` is never a token budget, `nan`
 from __future__ import annotations
 
 import math
+import re
 import textwrap
 from dataclasses import dataclass, field, fields
 
@@ -290,6 +291,15 @@ _TYPE_NAMES = {"bool": "bool", "int": "int", "float": "float", "str": "str", "in
                "list[int] | None": "list[int]` or `None"}
 
 
+def _type_name(f) -> str:
+    """A `DTAArguments` field's type as the docs show it, from the class's annotations (strings, `from __future__ import
+    annotations`): not `f.type`, which `HfArgumentParser` replaces in place when a config is parsed (`list[int] | None`
+    becomes `list[int]`)."""
+    annotation = next(c.__dict__["__annotations__"][f.name] for c in DTAArguments.__mro__
+                      if f.name in c.__dict__.get("__annotations__", {}))
+    return _TYPE_NAMES[annotation]
+
+
 def dta_parameters_doc() -> str:
     """The `dta_*` parameters in the Hugging Face docstring format, from the fields' help text (one source)."""
     by_name = {f.name: f for f in fields(DTAArguments)}
@@ -298,10 +308,33 @@ def dta_parameters_doc() -> str:
         lines += [f"        > {title}", ""]
         for name in names:
             f = by_name[name]
-            lines.append(f"        {f.name} (`{_TYPE_NAMES[str(f.type)]}`, *optional*, defaults to `{f.default}`):")
+            lines.append(f"        {f.name} (`{_type_name(f)}`, *optional*, defaults to `{f.default}`):")
             lines += textwrap.wrap(f.metadata["help"], width=116, initial_indent=" " * 12, subsequent_indent=" " * 12)
         lines.append("")
     return "\n".join(lines)
+
+
+def dta_parameters_markdown() -> str:
+    """The `dta_*` parameters as Markdown (the docs site's configuration page), from the same help text as
+    [`dta_parameters_doc`]: a table of every field with its type, default and first sentence, then each field's whole
+    help text under its section's title. `docs/hooks.py` puts it into `docs/config.md` at build time."""
+    by_name = {f.name: f for f in fields(DTAArguments)}
+    listed = [name for _, names in _SECTIONS for name in names]
+    missing = sorted(set(by_name) - set(listed))
+    if missing:  # a new field must be given a section (and so a place in the docstrings and the docs)
+        raise RuntimeError(f"`DTAArguments` fields without a section in `_SECTIONS`: {missing}")
+    rows = ["| field | type | default | what it does |", "|---|---|---|---|"]
+    body = []
+    for title, names in _SECTIONS:
+        body += [f"### {title}", ""]
+        for name in names:
+            f = by_name[name]
+            kind, text = _type_name(f), f.metadata["help"]
+            default = f'`"{f.default}"`' if isinstance(f.default, str) else f"`{f.default!r}`"
+            first = re.split(r"(?<=\.)\s+(?=[A-Z`])", text, maxsplit=1)[0]
+            rows.append(f"| [`{name}`](#{name}) | `{kind}` | {default} | {first} |")
+            body += [f"#### `{name}` {{#{name}}}", "", f"`{kind}`, defaults to {default}.", "", text, ""]
+    return "\n".join(rows + [""] + body)
 
 
 def _config_doc(trainer: str, trl_config: str) -> str:

@@ -190,7 +190,7 @@ class Tau2Domain:
                 evaluation_type=kind.ALL_WITH_NL_ASSERTIONS if self.nl_assertions else kind.ALL)
         except Exception as error:  # noqa: BLE001 - tau2's checks raise on states they cannot read (see above)
             warn_once(f"tau2-eval-{self.name}", f"tau2 domain {self.name!r}: the evaluator raised on an episode "
-                      f"({type(error).__name__}: {error}); such episodes score 0.")
+                      f"({type(error).__name__}: {error}); such episodes score 0.", every_rank=True)
             return t.simulation.RewardInfo(reward=0.0, info={"error": f"{type(error).__name__}: {error}"})
 
     def gold_turns(self, task) -> list[dict]:

@@ -196,8 +196,9 @@ def play_tau2_episodes(
         seed (`int`, *optional*, defaults to `0`): the scripted users' seed.
         user_factory (*optional*): `user_factory(task) -> user` (e.g. an [`~envs.tau2.user.LLMUser`]); defaults to
             [`ScriptedUser`]`(task, seed)`.
-        max_turns (`int`, *optional*, defaults to `16`), max_turn_tokens (`int`, *optional*, defaults to `256`),
-        max_tokens (`int`, *optional*, defaults to `32768`): the episode's limits.
+        max_turns (`int`, *optional*, defaults to `16`): the episode's limit of policy turns.
+        max_turn_tokens (`int`, *optional*, defaults to `256`): the episode's limit of tokens per turn.
+        max_tokens (`int`, *optional*, defaults to `32768`): the episode's limit of tokens in all.
         timings (`dict`, *optional*): receives `"reward_s"`, the seconds tau2's evaluator took.
         branching (`Sequence[int]`, *optional*): tree rollouts: episodes per level (`num_generations` must be 1);
             every unfinished episode is copied ([`Tau2Session.copy`]) into the next level's children after

@@ -1,0 +1,93 @@
+"""The docs site's generated parts (`docs/hooks.py`) and the README's links into it. The site itself is built by CI
+(`mkdocs build --strict` in `.ci/run`: a broken link, anchor or API reference fails it)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+
+
+@pytest.fixture(scope="module")
+def hooks():
+    spec = importlib.util.spec_from_file_location("trl_dta_docs_hooks", DOCS / "hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_config_page_lists_every_dta_field_with_its_default(hooks):
+    from trl_dta.trainers.config import DTAArguments
+
+    assert "<!-- generated: dta-parameters -->" in (DOCS / "config.md").read_text()
+    assert "docs/hooks.py" in (ROOT / "mkdocs.yml").read_text()
+    page = hooks.on_page_markdown((DOCS / "config.md").read_text(), None, None, None)
+    for f in fields(DTAArguments):
+        default = f'"{f.default}"' if isinstance(f.default, str) else repr(f.default)
+        row = re.search(rf"^\| \[`{f.name}`\]\(#{f.name}\) \| `[^|]+` \| `{re.escape(default)}` \| .+ \|$", page, re.M)
+        assert row, f"{f.name} (default {default}) is not a row of the config page"
+        assert f"#### `{f.name}` {{#{f.name}}}" in page and f.metadata["help"] in page
+
+
+def test_every_refusal_has_a_group_and_the_page_lists_them(hooks):
+    entries = hooks.collect_refusals()
+    groups = {hooks.group_of(e["module"]) for e in entries}  # raises for a module outside every group
+    assert groups == {title for title, _, _ in hooks.GROUPS}
+    page = hooks.on_page_markdown((DOCS / "troubleshooting.md").read_text(), None, None, None)
+    shown = [e for e in entries if hooks.is_refusal(e)]
+    generated = page.split("## Every refusal", 1)[1]  # the hand-written table of the common ones comes before it
+    assert generated.count("\n| `") == len(shown) > 250
+    # A refusal of each kind the issue names, with its fix: a config value, a model family, a distributed setting.
+    for text in ("`fp16=True` is not supported with DTA", "DeepSpeed ZeRO-3 is not supported with DTA",
+                 "FSDP version ⟨version⟩ is not supported", "must be a list of positive integers",
+                 # the one model refusal's blockers, each with its fix (`trl_dta/refusal.py`)
+                 "Fix: set `fp16=False` in the trainer's config", "Fix: set `attention_dropout=0.0` in the model config",
+                 "Fix: set `router_aux_loss_coef=0.0` in the trainer's config", "attention code; DTA's attention has no"):
+        assert text in page, text
+    assert not any(e["exception"] in hooks.NOT_REFUSALS for e in shown)
+
+
+def test_analyzer_page_has_the_commands_help(hooks):
+    page = hooks.on_page_markdown((DOCS / "analyzer.md").read_text(), None, None, None)
+    assert "usage: trl-dta analyze" in page and "tau2-bench results file" in page
+
+
+def _anchors(markdown: str) -> set[str]:
+    """The anchors MkDocs gives a page's headings (Python-Markdown's `toc` slugs) and explicit `{#id}`s."""
+    out = set(re.findall(r"\{#([\w-]+)\}", markdown))
+    for title in re.findall(r"^#+ (.+?)\s*$", markdown, re.M):
+        title = re.sub(r"\{#[\w-]+\}", "", title).replace("`", "")
+        out.add(re.sub(r"[\s]+", "-", re.sub(r"[^\w\s-]", "", title).strip().lower()))
+    return out
+
+
+def test_readme_links_into_the_docs_resolve():
+    readme = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\((docs/[^)#\s]+)(?:#([^)\s]+))?\)", readme)
+    assert len({path for path, _ in links}) >= 10  # the README is a front page that points into the docs
+    for path, anchor in links:
+        target = ROOT / path
+        assert target.is_file(), f"README links to {path}, which does not exist"
+        if anchor:
+            assert anchor in _anchors(target.read_text()), f"README links to {path}#{anchor}: no such heading"
+
+
+def test_config_page_survives_hfargumentparser():
+    """`HfArgumentParser` (the recipes' parser) replaces the config fields' `type` in place (`list[int] | None` becomes
+    `list[int]`): the page, built later in the same process, reads the class's own annotations."""
+    from transformers import HfArgumentParser
+
+    from trl_dta import DTAGRPOConfig
+    from trl_dta.trainers.config import dta_parameters_doc, dta_parameters_markdown
+
+    before = dta_parameters_markdown(), dta_parameters_doc()
+    HfArgumentParser(DTAGRPOConfig)
+    assert (dta_parameters_markdown(), dta_parameters_doc()) == before
+    assert "`list[int]` or `None`" in before[0]
+
