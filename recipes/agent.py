@@ -53,9 +53,9 @@ accelerate launch --config_file recipes/configs/accelerate_multi_cpu.yaml recipe
     --config recipes/configs/agent.yaml
 
 # The real tau2-bench domains at their defaults (pip install "trl-dta[tau2]"), offline, tiny model
-# (2-core CPU, measured in benchmarks/RESULTS.md: mock ~23 min wall for its 3 steps, peak RSS 0.93 GB; airline's first
-# step had not finished after 33 min, 1.75 GB RSS: smoke-test it with --max_steps 1 --agent_max_turns 2
-# --max_completion_length 64, train it on a GPU)
+# (2-core CPU, measured in benchmarks/RESULTS.md: mock ~23 min wall for its 3 steps, peak RSS 0.93 GB; airline ~35 min
+# for its 3 steps (~12 min a step, 85% of it rollout), peak RSS 1.5 GB: smoke-test them with --max_steps 1
+# --agent_max_turns 2 --max_completion_length 64, train them on a GPU)
 python recipes/agent.py --agent_domain mock
 python recipes/agent.py --agent_domain airline
 python recipes/agent.py --agent_domain retail --agent_reward shaped
