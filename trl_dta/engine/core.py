@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import _checks, attention, kernels
-from ..models import TESTED_MODEL_TYPES, check_model_support, refusal_subject, rope_kinds
+from ..models import check_model_support, refusal_subject, rope_kinds
 from ..precision import Precision
 from ..recurrent import LayerLayout
 from ..refusal import Blocker
@@ -282,8 +282,8 @@ class DTAEngine:
         if self.lockstep is not None:
             raise NotImplementedError(
                 f"DTAEngine.lockstep: {type(_causal_lm(self.model)).__name__} has recurrent layers "
-                f"{list(self.layout.recurrent)}, which cannot run the lockstep walk's packed subtree rows (a recurrence "
-                "cannot follow a tree mask). Leave `engine.lockstep` unset (under FSDP2: the trainers' "
+                f"{list(self.layout.recurrent)}, which cannot run the lockstep walk's packed subtree rows (a "
+                "recurrence cannot follow a tree mask). Leave `engine.lockstep` unset (under FSDP2: the trainers' "
                 "`dta_fsdp_schedule='window'`)."
             )
 

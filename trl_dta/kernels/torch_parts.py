@@ -20,7 +20,8 @@ explicitly, support GQA and any float dtype including float64, and an additive f
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 

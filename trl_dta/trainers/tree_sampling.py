@@ -61,7 +61,6 @@ from types import SimpleNamespace
 
 import torch
 
-
 # GenerationConfig attributes whose effect depends on where a `generate` call starts (its input length, its
 # `max_length`, its wall clock), or that do not sample the policy, so a tree of segment-wise calls would not sample
 # TRL's distribution; why, for each.
@@ -204,7 +203,8 @@ def _first_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
     """Per row of `tokens` `(N, s)`, the number of tokens up to and including the first EOS, or `s` when none."""
     is_eos = torch.isin(tokens, eos)
     any_eos = is_eos.any(dim=1)
-    first = torch.where(any_eos, is_eos.int().argmax(dim=1) + 1, torch.full_like(any_eos, tokens.size(1), dtype=torch.long))
+    no_eos = torch.full_like(any_eos, tokens.size(1), dtype=torch.long)
+    first = torch.where(any_eos, is_eos.int().argmax(dim=1) + 1, no_eos)
     return first, any_eos
 
 
