@@ -58,6 +58,7 @@ from ..batch import Layout, group_ids, has_vision_inputs, num_rows
 from ..engine import DTAEngine
 from ..engine.router_loss import LoadBalancing
 from ..parallel import strategy_for
+from ..refusal import DENSE_FALLBACK
 from ..tree import PrefixTree
 from .config import DTAArguments, check_trainer_args, check_trl_version
 from .layouts import ROW_WEIGHT_KEY
@@ -187,8 +188,7 @@ class DTATrainerMixin:
             raise ValueError(
                 "dta_fsdp_schedule='layer' runs packed subtree rows in lockstep across the ranks, which the recurrent "
                 "layers of this hybrid model cannot run exactly (a recurrence cannot follow a tree mask). Use "
-                "dta_fsdp_schedule='window' (the default), or set `dta_enabled=False` to train with the TRL trainer's "
-                "dense path."
+                f"dta_fsdp_schedule='window' (the default), {DENSE_FALLBACK}"
             )
         self._dta_cost_model = CostModel(hidden_size=model.config.get_text_config().hidden_size)
         if self._dta.dta_group_shuffle:

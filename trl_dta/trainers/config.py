@@ -18,6 +18,7 @@ from trl import GRPOConfig, RLOOConfig
 from .._checks import check_bool, check_choice, check_float, check_int, warn_once
 from ..batch import SAMPLE_LAYOUTS
 from ..kernels import BACKENDS
+from ..parallel.fsdp2 import SCHEDULES
 from ..refusal import TRAINER_CONFIG, Blocker, refuse
 from .tree_advantages import ADVANTAGES, PER_TOKEN
 
@@ -229,7 +230,7 @@ class DTAArguments:
         for name in ("dta_enabled", "dta_group_shuffle", "dta_balance"):
             check_bool(name, getattr(self, name))
         check_choice("dta_sample_layout", self.dta_sample_layout, SAMPLE_LAYOUTS)
-        check_choice("dta_fsdp_schedule", self.dta_fsdp_schedule, ("window", "layer"))
+        check_choice("dta_fsdp_schedule", self.dta_fsdp_schedule, SCHEDULES)
         if self.dta_sample_layout == "per_turn" and self.dta_group_shuffle:
             raise ValueError(
                 "`dta_group_shuffle=True` regroups episodes, not turns: it cannot be combined with "
