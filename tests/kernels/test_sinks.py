@@ -19,7 +19,7 @@ import torch
 
 from bounds import assert_as_precise_as_dense, chain_bound
 from tests.kernels.reference import causal_case, packed_case, reference_attention
-from tests.kernels.test_two_part import BACKEND_PARAMS, CAUSAL, LOW_PRECISION, PACKED, _with, _worst
+from tests.kernels.test_two_part import CAUSAL, DEVICE_BACKENDS, PACKED, _on, _with, _worst
 from trl_dta.kernels import two_part_attention
 
 # Causal and packed cases of the two-part test, sinks added; "no-path" and "packed-no-path-gqa" merge the own part with
@@ -27,6 +27,8 @@ from trl_dta.kernels import two_part_attention
 CAUSAL_CASES = ("one-row", "no-path", "siblings-gqa", "window-cuts-path", "window-past-path", "softcap",
                 "several-tiles")
 PACKED_CASES = ("packed", "packed-no-path-gqa", "packed-window", "packed-softcap")
+# bf16 against the concatenating path: the fused kernels where they run (CUDA), the torch parts on CPU.
+LOW_PRECISION = [p for p in DEVICE_BACKENDS if p.values[1] != "sdpa" and (p.values[0] == "cuda" or p.values[1] == "torch")]
 
 
 def make_sinks(n_heads: int, dtype: torch.dtype, seed: int = 11) -> torch.Tensor:
@@ -45,24 +47,28 @@ def float32_bound(case) -> float:
     return chain_bound(2 * (dim + 2 * (keys + 1) + 5 + batch * length * groups))
 
 
-def check(case, sinks, backend, dtype) -> dict[str, float]:
-    """Errors of the output and of every gradient against the float64 reference; fails past the dtype's bound."""
+def check(case, sinks, backend, dtype, device="cpu") -> dict[str, float]:
+    """Errors of the output and of every gradient against the float64 reference (computed on the CPU); fails past the
+    dtype's bound."""
     tol = 1e-10 if dtype == torch.float64 else float32_bound(case)
-    inputs = case.inputs()
-    out = two_part_attention(case.query, case.path_key, case.path_value, case.key, case.value, sinks=sinks,
-                             backend=backend, **case.kwargs())
-    assert out.dtype == dtype and out.shape == case.query.shape and torch.isfinite(out).all()
-    ref_inputs = [t.detach().double().requires_grad_() for t in inputs]
+    run = _on(case, device)
+    inputs = run.inputs()
+    run_sinks = sinks.detach().to(device).requires_grad_()
+    out = two_part_attention(run.query, run.path_key, run.path_value, run.key, run.value, sinks=run_sinks,
+                             backend=backend, **run.kwargs())
+    assert out.dtype == dtype and out.shape == case.query.shape and out.device.type == device
+    assert torch.isfinite(out).all()
+    ref_inputs = [t.detach().double().requires_grad_() for t in case.inputs()]
     ref_sinks = sinks.detach().double().requires_grad_()
     ref = reference_attention(_with(case, ref_inputs), ref_sinks)
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
-    grads = torch.autograd.grad(out, [*inputs, sinks], grad_out.to(dtype))
+    grads = torch.autograd.grad(out, [*inputs, run_sinks], grad_out.to(device, dtype))
     ref_grads = torch.autograd.grad(ref, [*ref_inputs, ref_sinks], grad_out)
     names = ["query", "path_key", "path_value", "key", "value"] if case.path_key is not None else \
         ["query", "key", "value"]
-    errors = {"out": _worst("out", out, ref, tol)}
+    errors = {"out": _worst("out", out.cpu(), ref, tol)}
     for name, g, r in zip([*names, "sinks"], grads, ref_grads):
-        errors[name] = _worst(f"grad {name}", g, r, tol)
+        errors[name] = _worst(f"grad {name}", g.cpu(), r, tol)
     # Not vacuous: the sinks move the output and receive a gradient far beyond the tolerance.
     assert (ref - reference_attention(_with(case, ref_inputs))).abs().max() > 1e3 * tol
     assert ref_grads[-1].abs().max() > 1e3 * tol
@@ -71,18 +77,18 @@ def check(case, sinks, backend, dtype) -> dict[str, float]:
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("name", CAUSAL_CASES)
-@pytest.mark.parametrize("backend", BACKEND_PARAMS)
-def test_sinks_causal_rows(backend, name, dtype):
+@pytest.mark.parametrize(("device", "backend"), DEVICE_BACKENDS)
+def test_sinks_causal_rows(device, backend, name, dtype):
     case = causal_case(list(CAUSAL).index(name), dim=8, dtype=dtype, **CAUSAL[name])
-    check(case, make_sinks(case.query.shape[1], dtype), backend, dtype)
+    check(case, make_sinks(case.query.shape[1], dtype), backend, dtype, device)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("name", PACKED_CASES)
-@pytest.mark.parametrize("backend", BACKEND_PARAMS)
-def test_sinks_packed_rows(backend, name, dtype):
+@pytest.mark.parametrize(("device", "backend"), DEVICE_BACKENDS)
+def test_sinks_packed_rows(device, backend, name, dtype):
     case = packed_case(1, dim=8, dtype=dtype, **PACKED[name])
-    check(case, make_sinks(case.query.shape[1], dtype), backend, dtype)
+    check(case, make_sinks(case.query.shape[1], dtype), backend, dtype, device)
 
 
 def test_sinks_without_grad_and_as_a_float32_parameter():
