@@ -45,7 +45,6 @@ from benchmarks.baselines.lpt import lpt_partition
 from trl_dta.balance import CostModel, Partition, forest_stats, partition, partition_for_ranks
 from trl_dta.tree import PrefixTree
 
-
 RESULTS = Path(__file__).resolve().parent / "results"
 CSV_COLUMNS = ["workload", "k", "method", "imbalance", "compression", "compression_kept", "max_cost", "mean_cost"]
 VOCAB = 50_000

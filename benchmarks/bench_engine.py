@@ -305,7 +305,8 @@ def run_grid(
 
 
 def check_losses(rows: list[dict], rtol: float = 1e-3) -> None:
-    """Flag methods whose first-step loss differs from a plain dense variant's: every provider computes the same loss."""
+    """Flag methods whose first-step loss differs from a plain dense variant's: every provider computes the same
+    loss."""
     for row in rows:
         ref = next((r for r in rows if r["workload"] == row["workload"] and r["method"] in common.DENSE_VARIANTS
                     and r.get("loss") is not None), None)

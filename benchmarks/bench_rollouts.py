@@ -87,7 +87,7 @@ def _evaluator_seconds(domain, episodes) -> tuple[float, float]:
     out = []
     for registered in (domain.name, domain.registered):
         start = time.perf_counter()
-        for episode, session in episodes:
+        for _episode, session in episodes:
             now = datetime.now(timezone.utc).isoformat()
             run = t.simulation.SimulationRun(id="x", task_id=session.task.id, start_time=now, end_time=now,
                                              duration=0.0, termination_reason="user_stop",

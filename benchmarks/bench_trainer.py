@@ -41,6 +41,7 @@ import os
 import tempfile
 import time
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -48,6 +49,8 @@ from trl_dta.flops import dense_flops, get_model_shape, tree_flops
 
 from . import common, workloads
 
+if TYPE_CHECKING:
+    from trl_dta.trainers import DTAGRPOConfig
 
 METHODS = ("trl", "trl+ckpt", "dta", "dta+ckpt")
 

@@ -76,7 +76,8 @@ def reward(completions, completion_ids, **kwargs):
 
 def measure(workload: workloads.Workload, prompt_len: int, group: int, completion_len: int, method: str, shape,
             steps: int, n_prompts: int, seed: int = 0) -> dict:
-    """Train `1 + steps` optimizer steps of `n_prompts` prompts each (one micro-batch per prompt group) and time them."""
+    """Train `1 + steps` optimizer steps of `n_prompts` prompts each (one micro-batch per prompt group) and time
+    them."""
     from datasets import Dataset
 
     from trl_dta import DTAGRPOConfig, DTAGRPOTrainer
@@ -112,8 +113,9 @@ def measure(workload: workloads.Workload, prompt_len: int, group: int, completio
             save_strategy="no", disable_dropout=True, gradient_checkpointing=False, dta_min_compression=0.0,
             dta_enabled=method != "trl", seed=seed, shuffle_dataset=False, **tree,
         )
-        trainer = Timed(model=model, reward_funcs=reward, args=config, train_dataset=Dataset.from_dict({"prompt": rows}),
-                        processing_class=tokenizer, callbacks=[timer])
+        trainer = Timed(model=model, reward_funcs=reward, args=config,
+                        train_dataset=Dataset.from_dict({"prompt": rows}), processing_class=tokenizer,
+                        callbacks=[timer])
         trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry][1:]  # the timed steps
     best = min(range(steps), key=lambda k: timer.times[1 + k])
@@ -224,8 +226,8 @@ def main(argv=None) -> None:
                 row = measure(workload, prompt_len, g, completion_len, method,
                               tiny_shape() if shape == "tiny" else shape, args.steps, args.prompts)
                 common.log(f"{workload.name} {row['model_shape']} {method}: gen {row['gen_s']:.2f}s train "
-                           f"{row['train_s']:.2f}s gen tokens {row['gen_tokens']:.0f}/{row['gen_tokens_independent']:.0f}"
-                           f" forest {row['forest_compression']}")
+                           f"{row['train_s']:.2f}s gen tokens {row['gen_tokens']:.0f}/"
+                           f"{row['gen_tokens_independent']:.0f} forest {row['forest_compression']}")
                 rows.append(row)
     stem = "tree-rollouts-quick" if args.quick or args.scale is None else f"tree-rollouts-s{scale:g}"
     write(fill_ratios(rows), stem)

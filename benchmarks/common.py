@@ -32,7 +32,6 @@ import torch
 
 from trl_dta.flops import ModelShape, get_model_shape
 
-
 CSV_COLUMNS = [
     "workload",
     "method",

@@ -258,7 +258,7 @@ def run_methods(step: str, methods, grid, shape: ModelShape, device: str, path: 
                 append_row(path, _skipped(step, w, method, shape, "worker failed: " + str(e).splitlines()[0]))
             continue
         try:
-            for i, w in enumerate(grid):
+            for w in grid:
                 left = deadline - time.time()
                 if worker is None or left < 5:
                     why = "the worker stopped (see the row above)" if worker is None else \

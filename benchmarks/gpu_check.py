@@ -35,8 +35,8 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib.metadata
-import io
 import importlib.util
+import io
 import os
 import sys
 from pathlib import Path

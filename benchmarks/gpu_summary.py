@@ -6,9 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import common
-from .gpu_bench import COLUMNS, DRY_DIMS, METHODS, PREFIX_METHODS, TRAINER_METHODS, WORKLOADS, \
-    prefix_workloads, read_rows, shape_of
-
+from .gpu_bench import (
+    COLUMNS,
+    DRY_DIMS,
+    METHODS,
+    PREFIX_METHODS,
+    TRAINER_METHODS,
+    WORKLOADS,
+    prefix_workloads,
+    read_rows,
+    shape_of,
+)
 
 FILE_OF = {"throughput": "throughput.csv", "trainer": "trainer.csv", "prefix-memory": "prefix_memory.csv"}
 

@@ -35,7 +35,6 @@ from trl_dta.kernels import BACKENDS
 from . import common, workloads
 from .bench_engine import PROVIDERS, MethodConfig, run_grid
 
-
 RESULTS = Path("benchmarks/results")
 
 

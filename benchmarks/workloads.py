@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-
 FIRST_ID = 3  # ids 0-2 are left for special tokens
 
 
@@ -280,7 +279,7 @@ def tau2_airline(tasks: int = 1, group: int = 4, vocab_size: int = 151936, prefi
             raise ValueError(f"task {task} has {len(episodes)} episodes in the token file, {group} asked for")
         for e in episodes:
             ids = torch.tensor(prefix[:keep] + e["ids"], dtype=torch.long)
-            for start, end in e["turns"][:max_turns]:
+            for _start, end in e["turns"][:max_turns]:
                 seqs.append(ids[: end - (len(prefix) - keep)])
     seqs = [torch.where(s < vocab_size, s, s % (vocab_size - FIRST_ID) + FIRST_ID) for s in seqs]
     return Workload(

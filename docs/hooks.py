@@ -190,8 +190,9 @@ def collect_refusals(package: Path = PACKAGE) -> list[dict]:
     for path in sorted(package.rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         module_names = _strings(tree.body, {})
+        module = path.relative_to(package.parent).as_posix()
 
-        def visit(node, function, names):
+        def visit(node, function, names, module=module):
             for child in ast.iter_child_nodes(node):
                 if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                     inner = f"{function}.{child.name}" if function else child.name
@@ -205,13 +206,13 @@ def collect_refusals(package: Path = PACKAGE) -> list[dict]:
                         visit(child, function, {**names, key: ast.Constant(k), value: v})
                     continue
                 if isinstance(child, ast.Call) and (text := _blocker(child, names)):
-                    found.append({"module": path.relative_to(package.parent).as_posix(), "function": function,
+                    found.append({"module": module, "function": function,
                                   "line": child.lineno, "exception": "DTAUnsupportedError",
                                   "message": " ".join(text.split()), "blocker": True})
                 if isinstance(child, ast.Raise) and isinstance(child.exc, ast.Call) and child.exc.args:
                     exc = ast.unparse(child.exc.func)
                     message = " ".join(_render(child.exc.args[0], names).split())
-                    found.append({"module": path.relative_to(package.parent).as_posix(), "function": function,
+                    found.append({"module": module, "function": function,
                                   "line": child.lineno, "exception": exc, "message": message})
                 visit(child, function, names)
 

@@ -88,8 +88,8 @@ import torch
 from trl import ModelConfig, TrlParser, get_peft_config
 
 from trl_dta import DTAGRPOConfig, DTAGRPOTrainer, tiny
-from trl_dta.trainers.console import modern_flags, quiet_console, use_console
 from trl_dta.envs import SHAPED_REWARDS, AgentRolloutFunc, RetailDomain, build_dataset, episode_reward, outcome_reward
+from trl_dta.trainers.console import modern_flags, quiet_console, use_console
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIG = CONFIGS / "agent.yaml"

@@ -238,8 +238,8 @@ def summarize(log_history: list[dict], steps: int, wall_time: float, window: int
             f"DTA: compression ratio {mean['dta/compression_ratio']:.2f}x (mean over {len(dta)} logged steps)"
         )
         lines.append(
-            f"DTA: tokens per engine forest: dense {mean['dta/tokens']:.0f}, prefix tree {mean['dta/tree_tokens']:.0f}, "
-            f"computed {mean['dta/forward_tokens']:.0f} "
+            f"DTA: tokens per engine forest: dense {mean['dta/tokens']:.0f}, "
+            f"prefix tree {mean['dta/tree_tokens']:.0f}, computed {mean['dta/forward_tokens']:.0f} "
             f"({mean['dta/forward_tokens'] / mean['dta/tokens']:.1%} of dense)"
             + (" on process 0" if num_processes > 1 else "")
         )

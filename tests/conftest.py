@@ -65,9 +65,9 @@ def use_input_dtype_norms(model):
 
 def float64_twin(model):
     """A float64 copy of `model` (the same weights, exactly) with RMSNorm in float64: the reference a float32 or bf16
-    computation with `model` is judged against (`bounds.py`); MoE experts in their eager (float64-capable) form. Gemma 2's
-    eager attention still rounds its softmax to float32: its twin carries u32 per probability, an order below the
-    float32 computations' own errors."""
+    computation with `model` is judged against (`bounds.py`); MoE experts in their eager (float64-capable) form.
+    Gemma 2's eager attention still rounds its softmax to float32: its twin carries u32 per probability, an order below
+    the float32 computations' own errors."""
     import copy
 
     twin = copy.deepcopy(model).double()

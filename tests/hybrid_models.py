@@ -8,9 +8,9 @@ inputs to float32 (`.to(torch.float32)`, `.float()`), and the gated RMSNorms and
 (which sums the children's state gradients before back-propagating through a shared prefix once) differs from the
 per-sequence oracle at the float32 level, about 1e-7, with the algorithm exact. [`float64_internals`] removes those
 casts for a test: inside it, `Tensor.float()` of a float64 tensor called from the model's modeling module stays
-float64 and that module's `torch.float32` is float64, so both the oracle and DTA compute the whole model in float64 (as `conftest.py`'s
-`use_input_dtype_norms` keeps the RMSNorms of the attention families in float64). Tests of the stock arithmetic run
-without it, in float32, bounded by the dense path's own float32 error.
+float64 and that module's `torch.float32` is float64, so both the oracle and DTA compute the whole model in float64
+(as `conftest.py`'s `use_input_dtype_norms` keeps the RMSNorms of the attention families in float64). Tests of the
+stock arithmetic run without it, in float32, bounded by the dense path's own float32 error.
 """
 
 from __future__ import annotations

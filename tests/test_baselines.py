@@ -13,11 +13,10 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from bounds import assert_as_precise_as_dense, max_sharing
-from conftest import float64_twin
-
 from benchmarks.baselines.dense import DenseProvider
 from benchmarks.baselines.sparse import SparseProvider, micro_batches, tree_attention_mask, tree_layout
+from bounds import assert_as_precise_as_dense, max_sharing
+from conftest import float64_twin
 from trl_dta.tree import PrefixTree
 
 

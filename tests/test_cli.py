@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from test_rollout_io import COMPLETIONS, GROUPS, PROMPTS, SEQS, run_json, write_jsonl
-
 from trl_dta.balance import CostModel, partition_for_ranks
 from trl_dta.cli import AnalysisError, analyze, main
 from trl_dta.flops import get_model_shape, ideal_ratio

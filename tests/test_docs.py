@@ -47,8 +47,10 @@ def test_every_refusal_has_a_group_and_the_page_lists_them(hooks):
     for text in ("`fp16=True` is not supported with DTA", "DeepSpeed ZeRO-3 is not supported with DTA",
                  "FSDP version ⟨version⟩ is not supported", "must be a list of positive integers",
                  # the one model refusal's blockers, each with its fix (`trl_dta/refusal.py`)
-                 "Fix: set `fp16=False` in the trainer's config", "Fix: set `attention_dropout=0.0` in the model config",
-                 "Fix: set `router_aux_loss_coef=0.0` in the trainer's config", "attention code; DTA's attention has no"):
+                 "Fix: set `fp16=False` in the trainer's config",
+                 "Fix: set `attention_dropout=0.0` in the model config",
+                 "Fix: set `router_aux_loss_coef=0.0` in the trainer's config",
+                 "attention code; DTA's attention has no"):
         assert text in page, text
     assert not any(e["exception"] in hooks.NOT_REFUSALS for e in shown)
 

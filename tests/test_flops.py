@@ -19,7 +19,6 @@ from trl_dta.flops import (
 )
 from trl_dta.tree import PrefixTree
 
-
 SHAPE = ModelShape(hidden_size=8, intermediate_size=12, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=2,
                    vocab_size=10)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from bounds import assert_as_precise_as_dense, chain_bound
 from conftest import make_model

@@ -14,7 +14,6 @@ from trl_dta.flops import ModelShape, get_model_shape
 from trl_dta.memory import _grad_forwards, activation_bytes_per_token, kv_bytes_per_token, peak_memory
 from trl_dta.tree import PrefixTree
 
-
 SHAPE = ModelShape(hidden_size=8, intermediate_size=12, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=2,
                    vocab_size=10)
 

@@ -63,8 +63,9 @@ REFUSED = {
               "linear_attention"),
     # Hybrids outside `recurrent.RECURRENT_FAMILIES`: Jamba's Mamba (v1) layers, MiniMax's lightning attention (a
     # cache seam of its own, `get_linear_cache`).
-    "jamba": (lambda: transformers.JambaConfig(**SMALL, intermediate_size=48, num_key_value_heads=2, attn_layer_period=2,
-                                               attn_layer_offset=1, num_experts=1, mamba_d_state=8, mamba_dt_rank=4),
+    "jamba": (lambda: transformers.JambaConfig(**SMALL, intermediate_size=48, num_key_value_heads=2,
+                                               attn_layer_period=2, attn_layer_offset=1, num_experts=1,
+                                               mamba_d_state=8, mamba_dt_rank=4),
               "linear_attention"),
     "minimax": (lambda: transformers.MiniMaxConfig(**SMALL, intermediate_size=48, num_key_value_heads=2, head_dim=8,
                                                    num_local_experts=2, num_experts_per_tok=1,

@@ -12,11 +12,11 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
-from conftest import FAMILIES, float64_twin, make_model, shared_batch
 from bounds import assert_as_precise_as_dense, max_sharing, relative_l2
+from conftest import FAMILIES, float64_twin, make_model, shared_batch
 from reference import dense_forward_backward, dense_logps, grads_of
-from trl_dta import DTAEngine
 from test_models import REFUSED, build
+from trl_dta import DTAEngine
 from trl_dta.kernels import available_backends, part_kernels, two_part_attention
 from trl_dta.models import check_model_support
 from trl_dta.precision import Precision, attention_inputs
@@ -60,7 +60,7 @@ def _backends(*before):
 SEQS = shared_batch(3)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _oracle(family):
     """The float64 oracle on `SEQS`: per-sequence log-probs, entropies, and the parameter gradients of `loss_fn` (the
     float32 model's weights, exactly, with RMSNorm in float64: `conftest.float64_twin`)."""
@@ -245,10 +245,9 @@ def test_gpt_oss_bf16_autocast_over_float32_weights(backend):
     a near-tie token to another expert changes its output by O(1), so with top-2 of 4 the two errors measure which
     tokens flipped, not rounding (DTA over dense, relative L2, 4 seeds: 0.1x to 5x on the "auto" backend; 0.75x to
     1.5x with every expert routed; the "sdpa" backend repeats the dense eager arithmetic, 1.0x to 1.3x either way)."""
+    from conftest import VOCAB
     from moe_models import MOE_FAMILIES
     from test_models import build
-
-    from conftest import VOCAB
 
     config = MOE_FAMILIES["gpt_oss"](VOCAB)
     config.num_experts_per_tok = config.num_local_experts

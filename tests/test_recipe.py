@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+
 from recipe_helpers import CONFIGS, ROOT, load_recipe, run
 
 RECIPE = ROOT / "recipes" / "grpo.py"

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+
 from recipe_helpers import ROOT, load_recipe, run
 
 RECIPE = ROOT / "recipes" / "agent.py"

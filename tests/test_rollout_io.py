@@ -15,7 +15,6 @@ from trl_dta.tiny import build_tokenizer
 from trl_dta.trainers.layouts import expand_per_turn
 from trl_dta.tree import PrefixTree
 
-
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14]]
 COMPLETIONS = [[20 + g, 30, 31] for g in range(4)]
 SEQS = [p + c for p in PROMPTS for c in COMPLETIONS]

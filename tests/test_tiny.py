@@ -85,7 +85,7 @@ def test_model_builds_seeded_and_leaves_global_rng_alone(tokenizer):
     assert config.num_attention_heads == 4 and config.num_key_value_heads == 2  # grouped-query attention
     assert config.vocab_size == len(tokenizer) and config.tie_word_embeddings
     assert not a.training
-    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters(), strict=True):
+    for (name, pa), pb, _pc in zip(a.named_parameters(), b.parameters(), c.parameters(), strict=True):
         assert torch.equal(pa, pb), name
     assert any(not torch.equal(pa, pc) for pa, pc in zip(a.parameters(), c.parameters(), strict=True))
     ids = torch.tensor([tokenizer("1+2=3\n4+5=")["input_ids"]])

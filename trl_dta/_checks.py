@@ -90,7 +90,8 @@ def check_float(name: str, value, *, minimum: float | None = None, exclusive: bo
     if minimum is not None:
         bound = f" {'>' if exclusive else '>='} {minimum}"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"`{name}` must be a finite number{bound}{suffix}, got {value!r} of type {type(value).__name__}.")
+        raise TypeError(
+            f"`{name}` must be a finite number{bound}{suffix}, got {value!r} of type {type(value).__name__}.")
     value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"`{name}` must be a finite number{bound}{suffix}, got {value}.")

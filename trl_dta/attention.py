@@ -66,8 +66,8 @@ class AttentionContext:
 
     Args:
         stack (`KVStack`): keys/values of the path the new tokens continue.
-        record (`dict[int, tuple[Tensor, Tensor]]`): filled by the attention layers with the new tokens' keys and values,
-            `(batch, n_kv_heads, length, head_dim)`, keyed by layer index.
+        record (`dict[int, tuple[Tensor, Tensor]]`): filled by the attention layers with the new tokens' keys and
+            values, `(batch, n_kv_heads, length, head_dim)`, keyed by layer index.
         calls (`int`): number of attention calls made in this forward (checked against the layer count).
         positions (`torch.LongTensor` of shape `(batch, length)`, *optional*): packed subtree rows only: the new
             tokens' positions (depths). None: causal rows continuing the path.
@@ -122,8 +122,8 @@ def dta_attention(
     """
     if dta_ctx is None:
         raise RuntimeError(
-            f"the model reached the '{ATTN_IMPLEMENTATION}' attention without a DTAEngine context. DTAEngine switches the "
-            "model's attention to DTA for the duration of an engine call, so this forward of the model ran during "
+            f"the model reached the '{ATTN_IMPLEMENTATION}' attention without a DTAEngine context. DTAEngine switches "
+            "the model's attention to DTA for the duration of an engine call, so this forward of the model ran during "
             "an engine call (from inside `loss_fn`, or from another thread): run other forwards of the model before "
             "or after the engine call, not inside `loss_fn` or concurrently. (If you set "
             f"attn_implementation='{ATTN_IMPLEMENTATION}' yourself, use 'sdpa' or 'eager' instead.)"

@@ -66,9 +66,14 @@ import numpy as np
 
 from ._checks import check_float, check_int
 from .rollout_io import (
-    LAYOUTS, AnalysisError, is_conversation_source, is_tau2_source, layout_rows, load_conversations, load_sequences,
+    LAYOUTS,
+    AnalysisError,
+    is_conversation_source,
+    is_tau2_source,
+    layout_rows,
+    load_conversations,
+    load_sequences,
 )
-
 
 __all__ = ["AnalysisError", "analyze", "format_table", "main"]
 

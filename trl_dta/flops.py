@@ -53,7 +53,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-
 __all__ = [
     "MODEL_SHAPES",
     "FlopCount",
@@ -126,7 +125,8 @@ class ModelShape:
             for key in ("recurrent_heads", "recurrent_groups", "recurrent_key_dim", "recurrent_value_dim"):
                 value = getattr(self, key)
                 if not isinstance(value, int) or value <= 0:
-                    raise ValueError(f"ModelShape.{key} must be a positive int with recurrent_layers > 0, got {value!r}")
+                    raise ValueError(
+                        f"ModelShape.{key} must be a positive int with recurrent_layers > 0, got {value!r}")
         for key in ("attention_layers", "mlp_layers"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= self.num_layers):

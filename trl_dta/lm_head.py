@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .precision import head_compute_dtype, is_half
+from .precision import acc_dtype, head_compute_dtype, is_half
 
 
 def _times(field: str) -> Callable[[object], float]:
@@ -123,7 +123,7 @@ def _log_softmax_(z: torch.Tensor) -> torch.Tensor:
 
 def _chunk_stats(hidden, targets, spec: HeadSpec, inv_temperature: float, want_entropy: bool):
     logits = spec.module(hidden)
-    if logits.dtype in (torch.float16, torch.bfloat16):
+    if is_half(logits.dtype):
         logits = logits.float()
     if spec.logit_scale != 1.0:
         logits = logits * spec.logit_scale
@@ -139,7 +139,7 @@ def _chunk_stats(hidden, targets, spec: HeadSpec, inv_temperature: float, want_e
 def _addmm_fp32(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """`acc + a @ b` accumulated in float32 (or float64) without rounding `a @ b` to a half-precision input dtype
     first; `acc` None starts from zero."""
-    out_dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
+    out_dtype = acc_dtype(a.dtype)
     if a.dtype == out_dtype:
         return a @ b if acc is None else acc.addmm_(a, b)
     if a.device.type == "cuda":
@@ -163,7 +163,7 @@ def _tile_logits(h, weight, bias, spec: HeadSpec, inv_t: float):
 
 
 def _sum_rows(x: torch.Tensor) -> torch.Tensor:
-    return x.sum(0, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+    return x.sum(0, dtype=acc_dtype(x.dtype))
 
 
 class _LinearLogProbs(torch.autograd.Function):
@@ -264,7 +264,7 @@ def head_logprobs(
         lps.append(lp)
         ents.append(ent)
     if not lps:
-        dtype = torch.float32 if hidden.dtype in (torch.float16, torch.bfloat16) else hidden.dtype
+        dtype = acc_dtype(hidden.dtype)
         empty = hidden.new_zeros(0, dtype=dtype)
         return empty, (empty if entropy else None)
     logps = lps[0] if len(lps) == 1 else torch.cat(lps)

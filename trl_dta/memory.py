@@ -30,7 +30,6 @@ from typing import Any
 from .engine.schedule import Budgets, block_bounds, graph_fits, schedule_children
 from .flops import ModelShape, _as_tree, get_model_shape
 
-
 __all__ = [
     "ATTN_BACKENDS",
     "DTYPE_BYTES",

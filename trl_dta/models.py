@@ -45,7 +45,7 @@ import torch
 from . import _checks, attention
 from .kv_stack import Frame, KVStack
 from .lm_head import HeadSpec, head_logprobs, unknown_logit_scaling
-from .precision import Precision
+from .precision import Precision, is_half
 from .recurrent import RECURRENT_FAMILIES, RECURRENT_LAYER_TYPES, LayerLayout, StateCarrier
 from .refusal import DENSE_ALTERNATIVE, MODEL_CONFIG, Blocker, refuse  # noqa: F401  (DENSE_ALTERNATIVE re-exported)
 
@@ -286,7 +286,7 @@ def _probe(lm, head: HeadSpec, layout: LayerLayout, precision: Precision) -> Non
             rest, _, _ = _probe_forward(backbone, ids[:, 1:], positions[:, 1:], stack, layout)
         hidden = torch.cat([first, rest], dim=1)[0, :-1]  # (3, hidden)
         logps, entropy = head_logprobs(head, hidden, targets, entropy=True)  # (3,), (3,)
-    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    logits = logits.float() if is_half(logits.dtype) else logits
     log_p = logits.log_softmax(-1)
     want_lp = log_p.gather(-1, targets[:, None]).squeeze(-1)
     want_ent = -(log_p.exp() * log_p).sum(-1)

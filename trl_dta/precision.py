@@ -133,4 +133,11 @@ def head_compute_dtype(hidden: torch.Tensor) -> torch.dtype:
 
 
 def is_half(dtype: torch.dtype) -> bool:
+    """Whether `dtype` is a half-precision float (float16, bfloat16), which DTA computes and sums in float32."""
     return dtype in _HALF
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype that sums and statistics over floats of `dtype` accumulate in: float64 for float64, else float32 (a
+    half-precision input is widened, a float32 one kept)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

@@ -29,6 +29,10 @@ DENSE_ALTERNATIVE = (
     "trainers, call the model's own forward instead of `DTAEngine`."
 )
 
+# The same offer as a clause closing another fix ("..., or set `dta_enabled=False` ..."): the one spelling every error
+# that names a DTA-side fix ends with.
+DENSE_FALLBACK = "or set `dta_enabled=False` to train with the TRL trainer's dense path."
+
 # Where a blocker's settings go, as the message names it.
 MODEL_CONFIG = "model config"
 TRAINER_CONFIG = "trainer's config"

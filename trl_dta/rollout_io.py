@@ -37,7 +37,6 @@ from pathlib import Path
 from ._checks import check_choice
 from .batch import SAMPLE_LAYOUTS
 
-
 __all__ = ["LAYOUTS", "AnalysisError", "is_conversation_source", "is_tau2_source", "layout_rows", "load_conversations",
            "load_sequences"]
 
@@ -147,7 +146,8 @@ def _group_label(row: dict, group_field: str, where: str):
     return value
 
 
-# A local tokenizer for the offline case: the byte-level one with TRL's Qwen2.5 chat template that the tau2 adapter uses.
+# A local tokenizer for the offline case: the byte-level one with TRL's Qwen2.5 chat template that the tau2 adapter
+# uses.
 LOCAL_TOKENIZER_HINT = ("python -c \"from trl_dta.envs.chat import build_chat_tokenizer; "
                         "build_chat_tokenizer().save_pretrained('chat-tokenizer')\" && ... --tokenizer chat-tokenizer")
 

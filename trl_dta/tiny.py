@@ -23,7 +23,8 @@ each other.
 randomly initialised model sees a reward signal from its first steps. What a 64-wide, 2-layer model learns in the
 recipe's 100 steps (measured, seeds 0-2): to answer with a number, then with a single digit near the typical answer;
 the mean reward rises from about 0.07 to about 0.5, the value of the best constant guess. Learning to add did not
-happen within 1000 steps (nor within 600 steps of a 128-wide, 4-layer model). As the policy sharpens, more completions coincide and the batch compresses further (about 6x at the start).
+happen within 1000 steps (nor within 600 steps of a 128-wide, 4-layer model). As the policy sharpens, more
+completions coincide and the batch compresses further (about 6x at the start).
 """
 
 from __future__ import annotations

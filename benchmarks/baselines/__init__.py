@@ -5,5 +5,4 @@ from .dense import DenseProvider
 from .lpt import lpt_partition
 from .sparse import SparseProvider, tree_attention_mask
 
-
 __all__ = ["DenseProvider", "SparseProvider", "lpt_partition", "tree_attention_mask"]

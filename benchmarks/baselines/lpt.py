@@ -11,8 +11,7 @@ from __future__ import annotations
 from trl_dta._checks import check_choice, check_int
 from trl_dta.balance import CostModel, Partition
 from trl_dta.balance.cost import SortedBatch, as_tree
-from trl_dta.balance.partition import summarize, check_group_ids
-
+from trl_dta.balance.partition import check_group_ids, summarize
 
 __all__ = ["lpt_partition"]
 

@@ -44,7 +44,6 @@ from trl_dta.tree import PrefixTree
 
 from .dense import ProviderOutput
 
-
 ATTENTION_NAME = "bench_tree_blocks"
 
 

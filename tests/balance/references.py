@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 from trl_dta.balance import CostModel, ForestStats
 from trl_dta.tree import PrefixTree
 
-
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # Small alphabet and short sequences: many shared prefixes, duplicates, prefixes of other sequences, empty sequences.

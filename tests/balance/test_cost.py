@@ -15,7 +15,6 @@ from trl_dta.tree import PrefixTree
 
 from .references import SETTINGS, batch_st, brute_force, check_is_partition, contiguous_cuts, model_st, reference_stats
 
-
 SEQS3 = [[1, 2, 3], [1, 2, 4], [5]]
 
 

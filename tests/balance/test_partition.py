@@ -14,7 +14,6 @@ from trl_dta.tree import PrefixTree
 
 from .references import SETTINGS, batch_st, check_contiguous, check_is_partition, reference_cost
 
-
 SEQS3 = [[1, 2, 3], [1, 2, 4], [5]]
 
 

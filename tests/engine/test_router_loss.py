@@ -14,7 +14,8 @@ import transformers
 
 from bounds import chain_bound, max_sharing
 from conftest import VOCAB, use_input_dtype_norms
-from hybrid_models import HYBRID_FAMILIES, MOE as HYBRID_MOE, float64_internals
+from hybrid_models import HYBRID_FAMILIES, float64_internals
+from hybrid_models import MOE as HYBRID_MOE
 from moe_models import ATTN_IMPLEMENTATION, MOE_FAMILIES, MOE_WITHOUT_AUX
 from reference import compare_grads, grads_of
 from trl_dta import DTAEngine
@@ -137,7 +138,7 @@ def tolerances(model, seqs) -> tuple[float, float]:
     if next(model.parameters()).dtype == torch.float64:
         return FLOAT64_TOL, FLOAT64_TOL
     c = model.config
-    experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None) or getattr(c, "n_routed_experts")
+    experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None) or c.n_routed_experts
     inner = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
     k = (c.num_hidden_layers * (c.hidden_size + inner + max(map(len, seqs))) + c.hidden_size + 2 * experts
          + sum(map(len, seqs)) + max_sharing(seqs) + 10)

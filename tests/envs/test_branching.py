@@ -52,7 +52,7 @@ def test_episodes_share_first_turns_then_diverge(domain, tokenizer, branching, b
     for t, task_id in enumerate(task_ids):
         group = episodes[t * g:(t + 1) * g]
         assert all(e.task_id == domain.task(task_id).task_id for e in group)
-        for level, children in enumerate(branching[1:]):
+        for level, _children in enumerate(branching[1:]):
             size = g // (branching[0] * _prod(branching[1:level + 1]))  # rows below one node of this level
             for node in range(0, g, size):
                 rows = group[node:node + size]

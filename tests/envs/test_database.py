@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from trl_dta.envs.database import (
-    CANCELLED, DELIVERED, PENDING, TOOLS, Session, generate_database, run_tool, shipping_fee,
+    CANCELLED,
+    DELIVERED,
+    PENDING,
+    TOOLS,
+    Session,
+    generate_database,
+    run_tool,
+    shipping_fee,
 )
 from trl_dta.tiny import ALPHABET
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from bounds import assert_as_precise_as_dense
 import transformers
 
+from bounds import assert_as_precise_as_dense
+from tests.conftest import VOCAB, make_model
 from trl_dta.generation import PrefixCache
 from trl_dta.tree import PrefixTree
-
-from tests.conftest import VOCAB, make_model
 
 
 def _full_logits(model, tokens: list[int]) -> torch.Tensor:

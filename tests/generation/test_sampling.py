@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from bounds import UNIT_ROUNDOFF
 from transformers import GenerationConfig
 from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
+from bounds import UNIT_ROUNDOFF
+from tests.trainers.conftest import EOS, PAD, build_model
 from trl_dta import tiny
 from trl_dta.envs import play_episodes
 from trl_dta.generation import CachedGenerate, count_forward_tokens, reprefill_generate_fn
-
-from tests.trainers.conftest import EOS, PAD, build_model
 
 from .stats import chi_square_p
 

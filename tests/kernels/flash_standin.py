@@ -17,8 +17,6 @@ that passes its arguments in another order or layout fails here. Imports nothing
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import torch
 
 # flash-attn 2.8.3's op names, in the namespace it registers them under.
@@ -35,9 +33,9 @@ def _flash_attn_forward(
     window_size_left: int,
     window_size_right: int,
     softcap: float,
-    alibi_slopes: Optional[torch.Tensor],
+    alibi_slopes: torch.Tensor | None,
     return_softmax: bool
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _check(q, k, v, dropout_p, alibi_slopes)
     scores, tanh = _scores(q, k, softmax_scale, causal, window_size_left, window_size_right, softcap)
     lse = torch.logsumexp(scores, dim=-1)  # (B, H, Lq)
@@ -53,18 +51,18 @@ def _flash_attn_backward(
     v: torch.Tensor,
     out: torch.Tensor,
     softmax_lse: torch.Tensor,
-    dq: Optional[torch.Tensor],
-    dk: Optional[torch.Tensor],
-    dv: Optional[torch.Tensor],
+    dq: torch.Tensor | None,
+    dk: torch.Tensor | None,
+    dv: torch.Tensor | None,
     dropout_p: float,
     softmax_scale: float,
     causal: bool,
     window_size_left: int,
     window_size_right: int,
     softcap: float,
-    alibi_slopes: Optional[torch.Tensor],
+    alibi_slopes: torch.Tensor | None,
     deterministic: bool,
-    rng_state: Optional[torch.Tensor] = None,
+    rng_state: torch.Tensor | None = None,
 ) -> torch.Tensor:
     _check(q, k, v, dropout_p, alibi_slopes)
     batch, q_len, n_heads, dim = q.shape

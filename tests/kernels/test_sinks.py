@@ -28,7 +28,8 @@ CAUSAL_CASES = ("one-row", "no-path", "siblings-gqa", "window-cuts-path", "windo
                 "several-tiles")
 PACKED_CASES = ("packed", "packed-no-path-gqa", "packed-window", "packed-softcap")
 # bf16 against the concatenating path: the fused kernels where they run (CUDA), the torch parts on CPU.
-LOW_PRECISION = [p for p in DEVICE_BACKENDS if p.values[1] != "sdpa" and (p.values[0] == "cuda" or p.values[1] == "torch")]
+LOW_PRECISION = [p for p in DEVICE_BACKENDS
+                 if p.values[1] != "sdpa" and (p.values[0] == "cuda" or p.values[1] == "torch")]
 
 
 def make_sinks(n_heads: int, dtype: torch.dtype, seed: int = 11) -> torch.Tensor:

@@ -13,8 +13,15 @@ import torch
 
 from bounds import assert_as_precise_as_dense, chain_bound
 from tests.kernels.reference import causal_case, packed_case, reference_attention
-from trl_dta.kernels import AUTO, BACKENDS, available_backends, key_end_from_row_mask, part_kernels, \
-    resolve_backend, two_part_attention
+from trl_dta.kernels import (
+    AUTO,
+    BACKENDS,
+    available_backends,
+    key_end_from_row_mask,
+    part_kernels,
+    resolve_backend,
+    two_part_attention,
+)
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -29,9 +36,9 @@ TOL = {torch.float64: 1e-10}
 
 def _tol(case, dtype) -> float:
     """float64: exactness. float32: two computations of the same attention within `bounds.chain_bound` of each other,
-    the longest chain being a score (`dim` products and sums, the soft-cap), the softmax sum and the value sum over every
-    key (path and own), the two-part merge (5 roundings), and in the backward the same again for `dO . V` and the
-    sums of the query's and keys' gradients over keys and queries (2x)."""
+    the longest chain being a score (`dim` products and sums, the soft-cap), the softmax sum and the value sum over
+    every key (path and own), the two-part merge (5 roundings), and in the backward the same again for `dO . V` and
+    the sums of the query's and keys' gradients over keys and queries (2x)."""
     if dtype == torch.float64:
         return TOL[dtype]
     keys = case.key.shape[-2] + (0 if case.path_key is None else case.path_key.shape[-2])

@@ -12,7 +12,10 @@ from trl_dta.recurrent import RECURRENT_FAMILIES, LayerLayout, StateCarrier
 K = 4  # conv kernel
 
 
-def _carrier(path_states=None, batch=1, length=3, layout=LayerLayout(2, (1,), (0,))):
+LAYOUT = LayerLayout(2, (1,), (0,))
+
+
+def _carrier(path_states=None, batch=1, length=3, layout=LAYOUT):
     return StateCarrier(layout, lambda layer: path_states, batch, length, path_length=5)
 
 

@@ -30,9 +30,9 @@ N_SHARE = max(sum(s in _TREE.path(i) for i in range(_TREE.n_sequences)) for s in
 # - forward outputs (log-probs, entropies; worst element): DTA computes every token with the dense arithmetic, except
 #   that a segment's recurrence restarts its chunks at the segment's start (from the state handed on) where the dense
 #   scan chunks the whole sequence, and that sibling rows run batched: other roundings of the same size, at most
-#   SLACK x the dense error (measured 1.0x to 1.2x above FLOOR), and never held below FLOOR, four float32 ulps of the largest
-#   output: the LM head's last steps (log-sum-exp, subtraction, the entropy's sum over the vocabulary) round at a few
-#   ulps on any path (the dense float32 entropies' own error is 1.6 ulps).
+#   SLACK x the dense error (measured 1.0x to 1.2x above FLOOR), and never held below FLOOR, four float32 ulps of the
+#   largest output: the LM head's last steps (log-sum-exp, subtraction, the entropy's sum over the vocabulary) round
+#   at a few ulps on any path (the dense float32 entropies' own error is 1.6 ulps).
 # - gradients, all parameters together (relative L2, the trainer tests' `update_gap` statistic): at most SLACK x
 #   (measured 1.07x to 1.35x in float32, 0.99x to 1.03x under bf16 autocast).
 # - gradients, each parameter on its own (relative L2): DTA back-propagates a prefix shared by n sequences once, with
@@ -69,7 +69,7 @@ def _run_dta(model, **engine_kw):
     return out, grads_of(model)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _oracle(family):
     """The float64 oracle with float64 internals: loss, log-probs, entropies, gradients."""
     model = make_hybrid(family)
@@ -128,7 +128,8 @@ def _bars(dense, dta, what):
         assert t <= SLACK * max(d, floor), f"{what}, {name}: DTA's error {t:.3g} > {SLACK} x the dense path's {d:.3g}"
     for name, d in dense[3].items():
         t = dta[3][name]
-        assert t <= N_SHARE * max(d, FLOOR), f"{what}, gradient of {name}: DTA's error {t:.3g} > {N_SHARE} x dense {d:.3g}"
+        assert t <= N_SHARE * max(d, FLOOR), \
+            f"{what}, gradient of {name}: DTA's error {t:.3g} > {N_SHARE} x dense {d:.3g}"
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=[] if f in PRIMARY else [pytest.mark.slow])

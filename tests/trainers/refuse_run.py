@@ -65,7 +65,8 @@ def main() -> None:
             settings = case_settings(name)
             config = make_args(DTAGRPOConfig, Path(args.out).parent / f"refuse-{name}", 1, **settings)
             trainer = DTAGRPOTrainer(model=args.model_dir,
-                                     reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=config, train_dataset=dataset, processing_class=build_tokenizer())
+                                     reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=config,
+                                     train_dataset=dataset, processing_class=build_tokenizer())
             results[name] = {"raised": None, "distributed_type": str(trainer.accelerator.distributed_type)}
         except Exception as exc:  # noqa: BLE001 - the test reads the type and message
             results[name] = {"raised": type(exc).__name__, "message": str(exc),

@@ -57,7 +57,8 @@ def launch(out: Path, model_dir: Path, processes: int, configs: list[dict]) -> s
     launcher = ["-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={processes}", "--num_machines=1",
                 "--mixed_precision=no", "--dynamo_backend=no", f"--main_process_port={free_port()}"]
     cmd = [sys.executable, *(launcher if processes > 1 else []), *run, f"--out={out}", f"--model_dir={model_dir}",
-           f"--processes={processes}", "--configs=" + ";".join(",".join(f"{k}={v}" for k, v in c.items()) for c in configs)]
+           f"--processes={processes}",
+           "--configs=" + ";".join(",".join(f"{k}={v}" for k, v in c.items()) for c in configs)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
 
@@ -210,9 +211,9 @@ def main() -> None:
 def train_one(flags, out, last: bool = True) -> None:
     from accelerate import PartialState
     from accelerate.utils import gather_object
+
     from trainers.conftest import make_args
     from trainers.test_layouts import ReplayRollout
-
     from trl_dta.envs import RetailDomain, build_dataset, episode_reward
     from trl_dta.tiny import build_tokenizer
     from trl_dta.trainers import DTAGRPOConfig, DTAGRPOTrainer

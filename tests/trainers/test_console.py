@@ -64,7 +64,7 @@ def test_replicas_keep_only_errors(monkeypatch, caplog):
         monkeypatch.setenv("RANK", "1")
         try:
             quiet_console()
-            warnings.warn("a replica's warning", UserWarning)
+            warnings.warn("a replica's warning", UserWarning, stacklevel=1)
             logger.warning("a replica's log warning")
             logger.error("a replica's error")
         finally:
@@ -75,6 +75,7 @@ def test_replicas_keep_only_errors(monkeypatch, caplog):
         warnings.simplefilter("always")
         monkeypatch.setenv("RANK", "0")
         quiet_console()
-        warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in v6.", FutureWarning)
-        warnings.warn("the main process's warning", UserWarning)
+        warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in v6.", FutureWarning,
+                      stacklevel=1)
+        warnings.warn("the main process's warning", UserWarning, stacklevel=1)
     assert [str(w.message) for w in seen] == ["the main process's warning"]

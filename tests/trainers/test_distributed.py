@@ -20,21 +20,18 @@ import torch
 
 from bounds import assert_as_precise, gradient_slack
 
-from .conftest import (BF16_LEARNING_RATE_FACTOR, LEARNING_RATE, Run, assert_bf16_bar, build_model, build_tokenizer,
-                       float64_rtol_of, tokens_per_step_of)
+from .conftest import (
+    BF16_LEARNING_RATE_FACTOR,
+    LEARNING_RATE,
+    Run,
+    assert_bf16_bar,
+    float64_rtol_of,
+    tokens_per_step_of,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 SCRIPT = Path(__file__).with_name("dist_run.py")
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("dist_model")
-    tokenizer = build_tokenizer()
-    build_model(len(tokenizer)).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
 
 
 def free_port() -> int:

@@ -17,12 +17,25 @@ from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_dta import _checks
+from trl_dta.batch import Layout
 from trl_dta.trainers import DTAGRPOConfig, DTAGRPOTrainer
 from trl_dta.tree import PrefixTree
-from trl_dta.batch import Layout
 
-from .conftest import (DTA, EOS, PRECISIONS, Run, assert_equivalent, assert_params_close, build_model,
-                       compare_in_precision, float32_rtol, float64_rtol, make_args, train)
+from .conftest import (
+    DTA,
+    EOS,
+    PRECISIONS,
+    Run,
+    assert_equivalent,
+    assert_params_close,
+    build_model,
+    compare_in_precision,
+    float32_rtol,
+    float64_rtol,
+    make_args,
+    train,
+)
+
 
 def compare(tmp_path, model_dir, tokenizer, dataset, update_rtol=None, ref_cls=GRPOTrainer, dta_cls=DTAGRPOTrainer,
             check_metrics=True, dta_config=DTA, precision="fp64", **config):

@@ -7,7 +7,6 @@ sequence-level ratio; `beta > 0` puts the reference KL into the reward (referenc
 from __future__ import annotations
 
 import pytest
-import torch
 from peft import LoraConfig
 from trl import RLOOConfig, RLOOTrainer
 

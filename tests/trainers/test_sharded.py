@@ -16,8 +16,16 @@ import sys
 import pytest
 import torch
 
-from .test_distributed import BF16_RUNS, ROOT, SCRIPT, assert_bf16_runs, compare, compare_as_precise, free_port, run
-from .test_distributed import model_dir  # noqa: F401  (a fixture)
+from .test_distributed import (
+    BF16_RUNS,
+    ROOT,
+    SCRIPT,
+    assert_bf16_runs,
+    compare,
+    compare_as_precise,
+    free_port,
+    run,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -88,7 +88,7 @@ def test_unbiased_is_trls_advantage_without_branching():
     assert [row[0] for row in got] == pytest.approx(values, abs=1e-12)
 
 
-# ------------------------------------------------------------------------------------------- Monte Carlo expected gradient
+# ------------------------------------------------------------------------------------ Monte Carlo expected gradient
 
 K = 3  # actions per level of the tabular policy; each level's segment is one action
 # `c_l` per mode (module docstring), no row ending before the last level.
@@ -211,8 +211,10 @@ def test_expected_gradient_per_level(branching):
     for mode in ADVANTAGES:
         for level, (r, c) in enumerate(zip(results[mode], EXPECTED[branching][mode])):
             z = np.abs(r["mean"] - c * r["true"]) / np.maximum(r["se"], 1e-12)
-            assert z.max() < Z, f"{mode} level {level}: a coordinate {z.max():.1f} errors from c_l * g_l (c_l = {c:.3f})"
-            assert abs(r["c"] - c) < Z * r["c_se"], f"{mode} level {level}: c = {r['c']:.3f} +- {r['c_se']:.3f}, not {c:.3f}"
+            assert z.max() < Z, \
+                f"{mode} level {level}: a coordinate {z.max():.1f} errors from c_l * g_l (c_l = {c:.3f})"
+            assert abs(r["c"] - c) < Z * r["c_se"], \
+                f"{mode} level {level}: c = {r['c']:.3f} +- {r['c_se']:.3f}, not {c:.3f}"
     unbiased, group = EXPECTED[branching]["unbiased"][0], EXPECTED[branching]["group"][0]
     assert abs(results["group"][0]["c"] - unbiased) > Z * results["group"][0]["c_se"]
     assert abs(results["unbiased"][0]["c"] - group) > Z * results["unbiased"][0]["c_se"]

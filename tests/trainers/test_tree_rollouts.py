@@ -221,8 +221,9 @@ def test_trainer_refuses_what_trees_cannot_sample(model_dir, tokenizer, dataset,
 def test_command_line_lists(tmp_path):
     """`--dta_tree_branching 4 2` on TRL's parser gives the list [4, 2]."""
     (args,) = TrlParser((DTAGRPOConfig,)).parse_args_into_dataclasses([
-        "--output_dir", str(tmp_path), "--use_cpu", "true", "--num_generations", "8", "--per_device_train_batch_size", "8",
-        "--dta_tree_branching", "4", "2", "--dta_tree_segment_length", "16", "--dta_tree_advantage", "tree",
+        "--output_dir", str(tmp_path), "--use_cpu", "true", "--num_generations", "8",
+        "--per_device_train_batch_size", "8", "--dta_tree_branching", "4", "2", "--dta_tree_segment_length", "16",
+        "--dta_tree_advantage", "tree",
     ])
     assert args.dta_tree_branching == [4, 2] and args.dta_tree_segment_length == 16
     assert args.dta_tree_advantage == "tree"

@@ -18,6 +18,7 @@ from transformers.generation import (
     TopPLogitsWarper,
 )
 
+from tests.conftest import use_input_dtype_norms
 from trl_dta.trainers import tree_sampling
 from trl_dta.trainers.tree_sampling import (
     check_generation_config,
@@ -25,8 +26,6 @@ from trl_dta.trainers.tree_sampling import (
     level_generation_config,
     sample_trees,
 )
-
-from tests.conftest import use_input_dtype_norms
 
 from .conftest import EOS, PAD, build_model
 
@@ -330,7 +329,8 @@ def test_cache_reuse_gives_the_full_sequence_logits_and_no_refill():
 
 def test_the_models_generation_config_is_checked(small_model):
     """What `generate` really uses is the trainer's config over the model's own `generation_config`: a checkpoint
-    whose generation config sets `forced_eos_token_id` (or beams) is refused, though the trainer's config alone passes."""
+    whose generation config sets `forced_eos_token_id` (or beams) is refused, though the trainer's config alone
+    passes."""
     config = _generation_config()
     model = build_model(VOCAB, seed=3).eval()
     check_generation_config(config, model)

@@ -16,9 +16,9 @@ import os
 import pytest
 import torch
 import transformers
-from conftest import FAMILIES as MODEL_FAMILIES
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
+from conftest import FAMILIES as MODEL_FAMILIES
 from trl_dta.trainers import DTAGRPOConfig, DTAGRPOTrainer, DTARLOOConfig, DTARLOOTrainer
 
 from .conftest import BOS, EOS, PAD, compare_in_precision

@@ -24,5 +24,4 @@ The modules, bottom up:
 from .cost import CostModel, ForestStats, forest_stats
 from .partition import STRATEGIES, Partition, partition, partition_for_ranks
 
-
 __all__ = ["STRATEGIES", "CostModel", "ForestStats", "Partition", "forest_stats", "partition", "partition_for_ranks"]

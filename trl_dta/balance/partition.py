@@ -24,7 +24,6 @@ from .contiguous import contiguous_parts, equal_runs
 from .cost import CostModel, ForestStats, SortedBatch, as_tree
 from .packing import group_atoms, pack, subtree_atoms
 
-
 STRATEGIES = ("best", "contiguous", "packed")
 
 

@@ -43,7 +43,8 @@ blocks or walk), `rows.py` (packed rows and their masks), `walk.py` (execution),
 load-balancing loss over the tree).
 """
 
-from .core import TESTED_MODEL_TYPES, DTAEngine, DTAOutput
+from ..models import TESTED_MODEL_TYPES
+from .core import DTAEngine, DTAOutput
 from .router_loss import ROUTER_LOSS_FAMILIES, LoadBalancing
 from .walk import LossFn
 

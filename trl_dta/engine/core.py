@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import _checks, attention, kernels
-from ..models import TESTED_MODEL_TYPES, check_model_support, refusal_subject, rope_kinds
+from ..models import check_model_support, refusal_subject, rope_kinds
 from ..precision import Precision
 from ..recurrent import LayerLayout
 from ..refusal import Blocker
@@ -249,8 +249,9 @@ class DTAEngine:
             elif spec is not None:  # no grad: the walk itself counts
                 record = routers.new_record(walked, spec, lm.dtype, lm.get_output_embeddings().weight.device)
                 observer = routers.RouterObserver(capture, spec, record=record)
-            result = TreeWalk(lm, self.layout, walked, plan, budgets, loss_fn, temperature, entropy, backend,
-                              self._precision(lm), router=observer, lockstep=self.lockstep).run()
+            result = TreeWalk(lm, self.layout, walked, plan, budgets, loss_fn=loss_fn, temperature=temperature,
+                              entropy=entropy, attn_backend=backend, precision=self._precision(lm), router=observer,
+                              lockstep=self.lockstep).run()
         if record is not None:
             aux = routers.router_weights(record, walked, router_loss, spec.n_experts).aux
         elif aux is not None:
@@ -272,8 +273,8 @@ class DTAEngine:
         counting = routers.RouterObserver(capture, spec, record=record)
         plan = ScorePlan(tree, [0] * tree.n_sequences)
         with torch.no_grad():
-            walk = TreeWalk(lm, self.layout, tree, plan, budgets, None, 1.0, False, backend,
-                             self._precision(lm), router=counting, lockstep=self.lockstep)
+            walk = TreeWalk(lm, self.layout, tree, plan, budgets, attn_backend=backend,  # no grad, log-probs only
+                             precision=self._precision(lm), router=counting, lockstep=self.lockstep)
             stats = walk.run().stats
         weights = routers.router_weights(record, tree, request, spec.n_experts)
         return routers.RouterObserver(capture, spec, weights=weights.weights), weights.aux, stats
@@ -282,8 +283,8 @@ class DTAEngine:
         if self.lockstep is not None:
             raise NotImplementedError(
                 f"DTAEngine.lockstep: {type(_causal_lm(self.model)).__name__} has recurrent layers "
-                f"{list(self.layout.recurrent)}, which cannot run the lockstep walk's packed subtree rows (a recurrence "
-                "cannot follow a tree mask). Leave `engine.lockstep` unset (under FSDP2: the trainers' "
+                f"{list(self.layout.recurrent)}, which cannot run the lockstep walk's packed subtree rows (a "
+                "recurrence cannot follow a tree mask). Leave `engine.lockstep` unset (under FSDP2: the trainers' "
                 "`dta_fsdp_schedule='window'`)."
             )
 

@@ -42,7 +42,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import _checks
-from ..refusal import TRAINER_CONFIG, Blocker, refuse
+from ..precision import acc_dtype
+from ..refusal import DENSE_FALLBACK, TRAINER_CONFIG, Blocker, refuse
 from ..tree import PrefixTree
 
 # Families whose causal LM adds transformers' Switch-style `load_balancing_loss_func` (top-k of the softmax, layers
@@ -56,7 +57,7 @@ ROUTER_LOSS_FAMILIES: dict[str, str] = {
     "granitemoehybrid": "num_local_experts",
 }
 
-_FIX = "set `router_aux_loss_coef=0.0` in the trainer's config, or `dta_enabled=False` for TRL's dense path"
+_FIX = f"set `router_aux_loss_coef=0.0` in the trainer's config, {DENSE_FALLBACK}"
 
 
 @dataclass(frozen=True)
@@ -216,7 +217,7 @@ class RouterObserver:
         if not logits:
             raise NotImplementedError(
                 f"no {self.spec.router_class.__name__} module ran in a forward of the decoder, so DTA sees no router "
-                f"logits for the load-balancing loss; {_FIX}."
+                f"logits for the load-balancing loss; {_FIX}"
             )
         flat = nodes.reshape(-1)
         real = flat >= 0
@@ -239,7 +240,7 @@ class RouterObserver:
         if rec.n_layers and len(logits) != rec.n_layers:
             raise NotImplementedError(
                 f"the decoder ran {len(logits)} routers in one forward and {rec.n_layers} in another; the "
-                f"load-balancing loss needs a fixed set of MoE layers; {_FIX}."
+                f"load-balancing loss needs a fixed set of MoE layers; {_FIX}"
             )
         rec.n_layers = len(logits)
         dtype = rec.counts.dtype
@@ -296,7 +297,7 @@ def router_weights(record: RouterCounts, tree: PrefixTree, request: LoadBalancin
 
 def new_record(tree: PrefixTree, spec: RouterSpec, dtype: torch.dtype, device) -> RouterCounts:
     """An empty [`RouterCounts`] for `tree`, in the accumulation dtype of a model of `dtype`."""
-    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    acc = acc_dtype(dtype)
     shape = (tree.n_tree_tokens, spec.n_experts)
     return RouterCounts(torch.zeros(shape, dtype=acc, device=device), torch.zeros(shape, dtype=acc, device=device),
                         torch.zeros(tree.n_tree_tokens, dtype=torch.bool, device=device))

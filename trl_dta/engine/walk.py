@@ -43,7 +43,7 @@ import torch
 from ..attention import AttentionContext
 from ..kv_stack import Frame, KVStack
 from ..lm_head import HeadSpec, head_logprobs
-from ..precision import Precision
+from ..precision import Precision, acc_dtype, is_half
 from ..recurrent import LayerLayout, StateCarrier
 from ..tree import PrefixTree
 from .plan import BlockTargets, ScorePlan
@@ -91,7 +91,8 @@ class TreeWalk:
         tree (`PrefixTree`), plan (`ScorePlan`): the batch and what to score.
         budgets (`Budgets`): the engine's knobs.
         loss_fn (`LossFn`, *optional*): None for a no-grad call.
-        temperature (`float`), entropy (`bool`): as in [`DTAEngine.logprobs`].
+        temperature (`float`, *optional*, defaults to `1.0`), entropy (`bool`, *optional*, defaults to `False`): as in
+            [`DTAEngine.logprobs`].
         attn_backend (`str`, *optional*, defaults to `"sdpa"`): the attention backend (`attention.py`).
         precision (`Precision`, *optional*): the autocast of the dense forward; None: the caller's.
         router (`RouterObserver`, *optional*): MoE load-balancing loss (`router_loss.py`): called after every forward
@@ -101,9 +102,10 @@ class TreeWalk:
             once with this walk's number of row batches, returns the number every process runs.
     """
 
-    def __init__(self, lm, layout: LayerLayout, tree: PrefixTree, plan: ScorePlan, budgets: Budgets,
-                 loss_fn: LossFn | None, temperature: float, entropy: bool, attn_backend: str = "sdpa",
-                 precision: Precision | None = None, router=None, lockstep: Callable[[int], int] | None = None):
+    def __init__(self, lm, layout: LayerLayout, tree: PrefixTree, plan: ScorePlan, budgets: Budgets, *,
+                 loss_fn: LossFn | None = None, temperature: float = 1.0, entropy: bool = False,
+                 attn_backend: str = "sdpa", precision: Precision | None = None, router=None,
+                 lockstep: Callable[[int], int] | None = None):
         self.lm = lm
         self.backbone = lm.get_decoder()
         self.head = HeadSpec.from_model(lm)
@@ -278,7 +280,7 @@ class TreeWalk:
         if t is None or not self.train:
             return t
         t = t.detach()
-        if t.dtype in (torch.float16, torch.bfloat16):
+        if is_half(t.dtype):
             t = t.float()
         return t.requires_grad_()
 
@@ -441,7 +443,7 @@ class TreeWalk:
     def _cat(self, parts: list[torch.Tensor]) -> torch.Tensor:
         if not parts:
             dtype = self.lm.get_output_embeddings().weight.dtype
-            dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+            dtype = acc_dtype(dtype)
             return torch.zeros(0, device=self.device, dtype=dtype)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 

@@ -25,7 +25,13 @@ from .reward import RewardBreakdown
 from .rollout import Episode, Generation, Turn, layout_sequences, model_generate_fn, play_episodes
 from .tool_env import RetailToolEnv
 from .trl_rollout import (
-    SHAPED_REWARDS, AgentRolloutFunc, arguments_reward, build_dataset, episode_reward, format_reward, outcome_reward,
+    SHAPED_REWARDS,
+    AgentRolloutFunc,
+    arguments_reward,
+    build_dataset,
+    episode_reward,
+    format_reward,
+    outcome_reward,
     tool_reward,
 )
 

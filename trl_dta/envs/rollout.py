@@ -17,9 +17,10 @@ prefixes of each other, and all episodes of a domain share the system prompt.
 
 The loop is domain-free ([`run_sessions`] over [`Session`]s: prompt ids, `step(turn ids) -> reply ids`); the
 stand-in retail domain's text protocol is one kind of session ([`play_episodes`]), tau2-bench's chat-template
-episodes another (`trl_dta.envs.tau2.episode`). Episodes run in lockstep: each round asks the generator for one turn of every unfinished episode in one batch. The
-last token of an episode is always a policy token: the reply that ends an episode (the user's `(stop)`, or the answer
-to the last allowed turn) stays in `messages` but is not tokenized, as nothing would be generated after it.
+episodes another (`trl_dta.envs.tau2.episode`). Episodes run in lockstep: each round asks the generator for one
+turn of every unfinished episode in one batch. The last token of an episode is always a policy token: the reply
+that ends an episode (the user's `(stop)`, or the answer to the last allowed turn) stays in `messages` but is not
+tokenized, as nothing would be generated after it.
 
 Tree rollouts (`branching=[b_0, b_1, ...]`, `branch_turns=k`): a task's episodes share their first turns and then
 diverge. `b_0` episodes start from the prompt; after every `k` agent turns (at a turn boundary: the environment's

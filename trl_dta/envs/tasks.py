@@ -21,7 +21,16 @@ import random
 from dataclasses import dataclass
 
 from .database import (
-    CANCEL_REASONS, CITIES, DELIVERED, PENDING, Database, Order, Session, User, run_tool, shipping_fee,
+    CANCEL_REASONS,
+    CITIES,
+    DELIVERED,
+    PENDING,
+    Database,
+    Order,
+    Session,
+    User,
+    run_tool,
+    shipping_fee,
 )
 from .protocol import Call
 

@@ -90,8 +90,9 @@ class AgentRolloutFunc:
         generation_cache (`bool`, *optional*, defaults to `True`): keep every episode's keys/values between turns
             (see the module docstring); `False`: `model.generate` on every whole prefix.
 
-    Logs the rollout metrics of the module docstring, `dta/generated_tokens` (policy tokens sampled) and `dta/generated_tokens_independent` (the policy tokens of
-    the returned episodes: what independent episodes would sample) next to TRL's metrics.
+    Logs the rollout metrics of the module docstring, `dta/generated_tokens` (policy tokens sampled) and
+    `dta/generated_tokens_independent` (the policy tokens of the returned episodes: what independent episodes would
+    sample) next to TRL's metrics.
     """
 
     def __init__(self, domain: RetailDomain, *, max_turns: int = 8, max_tokens: int = 1024,

@@ -25,9 +25,8 @@ import torch
 
 from ..attention import _IGNORED_KWARGS
 from ..kernels.masks import PartMask
-from ..kernels.torch_parts import acc_dtype
 from ..kernels.two_part import _fold, _pick, _unfold
-from ..precision import attention_inputs
+from ..precision import acc_dtype, attention_inputs
 
 ATTN_IMPLEMENTATION = "dta_generate"
 _CHAIN = ("torch", "math")

@@ -33,6 +33,7 @@ import importlib.util
 
 import torch
 
+from ..precision import is_half
 from .masks import PartMask
 from .torch_parts import PartKernel
 
@@ -110,7 +111,7 @@ def _supports(query, key, mask: PartMask, softcap) -> bool:
     causal_ok = not mask.causal or query.shape[2] == key.shape[2]
     # Without key_end the own part is causal rows, whose positions are consecutive: flash's column window is exact.
     # A windowed path part (positions of folded queries) has no flash form.
-    return (query.dtype in (torch.float16, torch.bfloat16) and dim % 8 == 0 and dim <= 256
+    return (is_half(query.dtype) and dim % 8 == 0 and dim <= 256
             and mask.key_end is None and mask.key_length is None and causal_ok
             and (mask.window is None or mask.causal))
 

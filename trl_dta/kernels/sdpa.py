@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..precision import acc_dtype
 from .masks import PartMask
 
 
@@ -60,7 +61,7 @@ def concat_attention(query, path_key, path_value, key, value, *, scale, position
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(query.dtype)
     if sinks is not None:  # (B, H, L, P + L + 1), in the accumulation dtype (GPT-OSS's `cat` promotes so)
         scores = torch.cat([scores.to(acc), sinks.to(acc)[None, :, None, None].expand(*scores.shape[:-1], 1)], -1)
     probs = torch.softmax(scores, dim=-1, dtype=acc)

@@ -20,10 +20,12 @@ explicitly, support GQA and any float dtype including float64, and an additive f
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
+from ..precision import acc_dtype, is_half
 from .masks import PartMask
 
 NEG_INF = float("-inf")
@@ -45,11 +47,6 @@ class PartKernel(NamedTuple):
     supports: Callable
     forward: Callable
     backward: Callable
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation dtype of the softmax statistics: float64 for float64 inputs, else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _grouped(x: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
@@ -162,7 +159,7 @@ def _torch_supports(query, key, mask: PartMask, softcap) -> bool:
     if query.device.type == "cpu":
         return True
     # CUDA flash: half precision, head_dim a multiple of 8 up to 256, causal only for square parts, no other mask.
-    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] % 8 == 0
+    return (query.is_cuda and is_half(query.dtype) and query.shape[-1] % 8 == 0
             and query.shape[-1] <= 256 and mask.plain and (not mask.causal or query.shape[2] == key.shape[2]))
 
 

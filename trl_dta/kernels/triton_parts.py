@@ -37,8 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..precision import acc_dtype
 from .masks import PartMask
-from .torch_parts import PartKernel, acc_dtype
+from .torch_parts import PartKernel
 
 
 @triton.jit

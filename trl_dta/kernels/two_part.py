@@ -43,9 +43,10 @@ from functools import partial
 import torch
 
 from .._checks import check_choice, check_float, check_int
+from ..precision import acc_dtype
 from .masks import PartMask
 from .sdpa import concat_attention
-from .torch_parts import MATH, TORCH, PartKernel, acc_dtype
+from .torch_parts import MATH, TORCH, PartKernel
 
 
 def _triton_kernel() -> PartKernel:

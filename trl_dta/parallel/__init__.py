@@ -32,9 +32,10 @@ variables, or plugins passed in code.
 
 from __future__ import annotations
 
+from ..refusal import DENSE_FALLBACK
 from .ddp import DataParallel, Local
 
-_FIX = "or set `dta_enabled=False` to train with the TRL trainer's dense path."
+_FIX = DENSE_FALLBACK
 
 
 def _fsdp(trainer, accelerator):

@@ -71,9 +71,10 @@ import contextlib
 
 import torch
 
+from ..refusal import DENSE_FALLBACK
 from .ddp import Local
 
-_FIX = "or set `dta_enabled=False` to train with the TRL trainer's dense path."
+_FIX = DENSE_FALLBACK
 _GROUP_FLAGS = ("post_forward_mesh_info", "reshard_after_backward", "reduce_grads", "all_reduce_grads",
                 "reduce_scatter_unused_params")
 

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import torch
 
+from ..refusal import DENSE_FALLBACK
 from .ddp import Local
 
-_FIX = "or set `dta_enabled=False` to train with the TRL trainer's dense path."
+_FIX = DENSE_FALLBACK
 _EXTRA = 'pip install wheel "setuptools>=68" && pip install --no-build-isolation "trl-dta[deepspeed]"'
 
 

@@ -58,6 +58,7 @@ from ..batch import Layout, group_ids, has_vision_inputs, num_rows
 from ..engine import DTAEngine
 from ..engine.router_loss import LoadBalancing
 from ..parallel import strategy_for
+from ..refusal import DENSE_FALLBACK
 from ..tree import PrefixTree
 from .config import DTAArguments, check_trainer_args, check_trl_version
 from .layouts import ROW_WEIGHT_KEY
@@ -182,12 +183,12 @@ class DTATrainerMixin:
         # One refusal naming every blocker of the model and of TRL's use of it; builds the policy's engine.
         check_policy(model, is_vlm=self._is_vlm, aux_loss_enabled=self.aux_loss_enabled,
                      build_engine=lambda: self._dta_engine(model))
-        if not self._is_vlm and self._dta_engine(model).layout.hybrid and getattr(self._dta_parallel, "lockstep", False):
+        lockstep = getattr(self._dta_parallel, "lockstep", False)
+        if not self._is_vlm and self._dta_engine(model).layout.hybrid and lockstep:
             raise ValueError(
                 "dta_fsdp_schedule='layer' runs packed subtree rows in lockstep across the ranks, which the recurrent "
                 "layers of this hybrid model cannot run exactly (a recurrence cannot follow a tree mask). Use "
-                "dta_fsdp_schedule='window' (the default), or set `dta_enabled=False` to train with the TRL trainer's "
-                "dense path."
+                f"dta_fsdp_schedule='window' (the default), {DENSE_FALLBACK}"
             )
         self._dta_cost_model = CostModel(hidden_size=model.config.get_text_config().hidden_size)
         if self._dta.dta_group_shuffle:
@@ -442,7 +443,7 @@ class DTATrainerMixin:
             self.args.steps_per_generation * self.num_iterations,
         )
         layouts = [None if has_vision_inputs(b) else Layout.from_batch(b) for b in batches]
-        for step, batch, layout in zip(steps, batches, layouts):
+        for step, batch in zip(steps, batches):
             self._dta_micro_steps[step] = _MicroStep(batch)
         kept = [k for k, layout in enumerate(layouts) if layout is not None]
         forest = None
@@ -515,8 +516,9 @@ class DTATrainerMixin:
         return LoadBalancing(groups, [coef] * len(groups))
 
     def _dta_surrogate(self, model, forest: StepForest, first, scale: float, device):
-        """The two-pass path's per-sequence surrogate: TRL's `_compute_loss` on each micro-batch's first-pass log-probs
-        (autograd inputs) gives `dL/dlogps` and `dL/dentropies`; returns the surrogate and whether it needs entropies."""
+        """The two-pass path's per-sequence surrogate: TRL's `_compute_loss` on each micro-batch's first-pass
+        log-probs (autograd inputs) gives `dL/dlogps` and `dL/dentropies`; returns the surrogate and whether it needs
+        entropies."""
         grads = []
         for batch, logps, entropies in zip(forest.batches, forest.split(first.logps, device),
                                            forest.split(first.entropies, device)):
@@ -536,7 +538,8 @@ class DTATrainerMixin:
             n = seq_logps.size(0)
             term = (seq_logps * grad_logps[j, :n].to(seq_logps.device, seq_logps.dtype)).sum()
             if grad_entropies is not None:
-                term = term + (seq_entropies * grad_entropies[j, :n].to(seq_entropies.device, seq_entropies.dtype)).sum()
+                grad = grad_entropies[j, :n].to(seq_entropies.device, seq_entropies.dtype)
+                term = term + (seq_entropies * grad).sum()
             return term
 
         return surrogate, entropy

@@ -17,11 +17,11 @@ import trl
 from trl import GRPOConfig, RLOOConfig
 
 from .._checks import check_bool, check_choice, check_float, check_int, warn_once
+from ..batch import SAMPLE_LAYOUTS
 from ..kernels import BACKENDS
+from ..parallel.fsdp2 import SCHEDULES
 from ..refusal import TRAINER_CONFIG, Blocker, refuse
-from .layouts import SAMPLE_LAYOUTS
 from .tree_advantages import ADVANTAGES, PER_TOKEN
-
 
 # The TRL minor versions the equivalence tests (`tests/trainers/`) run against. The trainers override TRL private
 # hooks (`_prepare_inputs`, `_get_per_token_logps_and_entropies`, `_compute_loss`) and read private attributes
@@ -179,10 +179,10 @@ class DTAArguments:
             "loss types, a factor on each micro-batch's loss undoes the padding's extra rows); with "
             "`gradient_accumulation_steps` a multiple of `steps_per_generation` the objective is the per-turn "
             "objective of one process for `dapo`, `cispo`, `vespo`, and for `grpo`, `sapo`, `luspo`, `dr_grpo` "
-            "when the micro-batches are of equal size; elsewhere (`bnpo`, the entropy bonus) a warning says why not once "
-            "(`trl_dta.trainers.micro_batches.per_turn_changes`). With 'per_turn', `dta_group_shuffle` is unavailable, "
-            "and `dta_balance` exchanges whole prompt groups (all turns of a task's episodes) between ranks, by the "
-            "cost of the per-turn forests, where the objective does not depend on the rows' ranks."
+            "when the micro-batches are of equal size; elsewhere (`bnpo`, the entropy bonus) a warning says why not "
+            "once (`trl_dta.trainers.micro_batches.per_turn_changes`). With 'per_turn', `dta_group_shuffle` is "
+            "unavailable, and `dta_balance` exchanges whole prompt groups (all turns of a task's episodes) between "
+            "ranks, by the cost of the per-turn forests, where the objective does not depend on the rows' ranks."
         },
     )
 
@@ -194,8 +194,8 @@ class DTAArguments:
             "prompt's sampling tree, e.g. `[4, 2]` (`--dta_tree_branching 4 2`): 4 first segments, each continued "
             "twice; the product must equal `num_generations`, and a multi-level tree needs at least 2 first "
             "segments. Shared segments are generated once (their keys/values held once, continued by the children) "
-            "and trained once by DTA. Each completion has the same distribution as TRL's completions, but the completions of a "
-            "prompt are correlated, which changes what TRL's group advantage teaches each level (see "
+            "and trained once by DTA. Each completion has the same distribution as TRL's completions, but the "
+            "completions of a prompt are correlated, which changes what TRL's group advantage teaches each level (see "
             "`dta_tree_advantage`). Applies with `dta_enabled=False` too. `None` samples the completions "
             "independently, as TRL does."
         },
@@ -231,7 +231,7 @@ class DTAArguments:
         for name in ("dta_enabled", "dta_group_shuffle", "dta_balance"):
             check_bool(name, getattr(self, name))
         check_choice("dta_sample_layout", self.dta_sample_layout, SAMPLE_LAYOUTS)
-        check_choice("dta_fsdp_schedule", self.dta_fsdp_schedule, ("window", "layer"))
+        check_choice("dta_fsdp_schedule", self.dta_fsdp_schedule, SCHEDULES)
         if self.dta_sample_layout == "per_turn" and self.dta_group_shuffle:
             raise ValueError(
                 "`dta_group_shuffle=True` regroups episodes, not turns: it cannot be combined with "
@@ -470,8 +470,8 @@ def check_trainer_args(args) -> None:
         blockers.append(Blocker(
             "`fp16=True` is not supported with DTA: fp16 training multiplies the loss by accelerate's dynamic "
             "GradScaler scale inside `accelerator.backward` and unscales the gradients before the optimizer step, but "
-            "the DTA engine back-propagates inside `compute_loss`, so its gradients would miss that scale (`bf16=True`, "
-            "TRL's default, is bf16 autocast; `bf16=False` is float32)",
+            "the DTA engine back-propagates inside `compute_loss`, so its gradients would miss that scale "
+            "(`bf16=True`, TRL's default, is bf16 autocast; `bf16=False` is float32)",
             settings={"fp16": False}, where=TRAINER_CONFIG))
     if args.use_liger_kernel:
         blockers.append(Blocker(

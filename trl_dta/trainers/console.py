@@ -82,8 +82,9 @@ class ConsoleCallback(ProgressCallback):
     """The Trainer's progress bar, with one short line per `every` optimizer steps instead of every logged dict.
 
     Each line holds the means of [`FIELDS`] (reward, DTA's compression ratio, TRL's step time) over the logging steps
-    since the previous line: at the first logged step, then at every multiple of `every` and at the last step. Evaluation results get a line of their
-    own (`eval` and the evaluated reward and loss); the end-of-training entry (`train_runtime`, ...) none: the recipes
+    since the previous line: at the first logged step, then at every multiple of `every` and at the last step.
+    Evaluation results get a line of their own (`eval` and the evaluated reward and loss); the end-of-training entry
+    (`train_runtime`, ...) none: the recipes
     print a summary. With `disable_tqdm=True` there is no bar and the lines are printed. Only the world's main process
     writes.
 

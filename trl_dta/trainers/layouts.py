@@ -69,8 +69,7 @@ import math
 import torch
 
 from .._checks import check_int
-from ..batch import SAMPLE_LAYOUTS, VISION_KEYS, num_rows
-
+from ..batch import VISION_KEYS, num_rows
 
 # Keys of TRL's generation batch whose columns are the completion's (B, C): cut per turn.
 PER_TOKEN_KEYS = ("old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps")

@@ -1,4 +1,5 @@
-"""Which rows a micro-batch and a rank train on: TRL's split by default, two opt-in regroupings, and when they are exact.
+"""Which rows a micro-batch and a rank train on: TRL's split by default, two opt-in regroupings, and when they are
+exact.
 
 After a generation, TRL shuffles the rows of each process's generation batch (`shuffle_sequence_dict`) and cuts them
 into `steps_per_generation` micro-batches (`split_tensor_dict`); the HF `Trainer` runs `gradient_accumulation_steps`
@@ -86,8 +87,8 @@ def regrouping_changes(trainer, across_ranks: bool) -> str | None:
     if getattr(trainer, "top_entropy_quantile", 1.0) < 1.0:
         reasons.append("top_entropy_quantile < 1 thresholds entropies over the micro-batch")
     if getattr(trainer, "aux_loss_enabled", False):
-        reasons.append("the MoE load-balancing loss (router_aux_loss_coef) multiplies routing fractions and mean router "
-                       "probabilities over each micro-batch's tokens")
+        reasons.append("the MoE load-balancing loss (router_aux_loss_coef) multiplies routing fractions and mean "
+                       "router probabilities over each micro-batch's tokens")
     return "; ".join(reasons) or None
 
 

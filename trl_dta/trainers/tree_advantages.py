@@ -43,8 +43,8 @@ node with `m` rows below and `m_p` below its parent):
 
 `tests/trainers/test_tree_advantages.py` measures each `c_l` by Monte Carlo on a tabular policy. With
 `scale_rewards="group"` (TRL's default) the division by the group's standard deviation, which depends on the sample
-itself, adds TRL's own bias to every mode. TreePO then whitens over the batch's tokens; here its advantages stay in TRL's
-scale. TreeRL's counts are rows (copies of an ended node count, as TRL's group mean counts them).
+itself, adds TRL's own bias to every mode. TreePO then whitens over the batch's tokens; here its advantages stay in
+TRL's scale. TreeRL's counts are rows (copies of an ended node count, as TRL's group mean counts them).
 
 Per-token modes hand TRL a `(B, T)` advantage: refused with sequence-level importance sampling, VESPO and the
 off-policy mask, which would mix or threshold it per token (`config.check_tree_args`).
@@ -60,7 +60,8 @@ ADVANTAGES = ("group", "tree", "unbiased", "treepo", "treerl")
 PER_TOKEN = ("tree", "unbiased", "treerl")  # one advantage per segment: `(B, T)`
 
 
-def segment_advantages(values: list[float], paths: list[list[int]], scorable: list[bool], mode: str) -> list[list[float]]:
+def segment_advantages(values: list[float], paths: list[list[int]], scorable: list[bool],
+                       mode: str) -> list[list[float]]:
     """One group's advantages, per row and per level its path reaches (see the module docstring).
 
     Args:

@@ -55,12 +55,13 @@ tokens and the last level continues to `max_completion_length`.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
-
 
 # GenerationConfig attributes whose effect depends on where a `generate` call starts (its input length, its
 # `max_length`, its wall clock), or that do not sample the policy, so a tree of segment-wise calls would not sample
@@ -200,11 +201,13 @@ class _Node:
     logits: torch.Tensor | None = None  # (len(tokens), vocab)
 
 
-def _first_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
-    """Per row of `tokens` `(N, s)`, the number of tokens up to and including the first EOS, or `s` when none."""
+def _first_eos(tokens: torch.Tensor, eos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of `tokens` `(N, s)`: the number of tokens up to and including the first of the `eos` ids `(n_eos,)`,
+    or `s` when none, `(N,)` long; and whether the row has one, `(N,)` bool."""
     is_eos = torch.isin(tokens, eos)
     any_eos = is_eos.any(dim=1)
-    first = torch.where(any_eos, is_eos.int().argmax(dim=1) + 1, torch.full_like(any_eos, tokens.size(1), dtype=torch.long))
+    no_eos = torch.full_like(any_eos, tokens.size(1), dtype=torch.long)
+    first = torch.where(any_eos, is_eos.int().argmax(dim=1) + 1, no_eos)
     return first, any_eos
 
 
@@ -299,7 +302,7 @@ def sample_trees(
     for root in roots:
         tree = RolloutTree([], [], starts)
         leaf_logits: list[torch.Tensor] = []
-        _collect(root.children, branching, 0, [], [], [], tree, leaf_logits, counter=[0])
+        _collect(root.children, branching, 0, [], [], [], tree, leaf_logits, itertools.count())
         trees.append(tree)
         all_logits.append(leaf_logits)
     if return_logits:
@@ -308,16 +311,16 @@ def sample_trees(
 
 
 def _collect(children: list[_Node], branching: list[int], level: int, tokens: list[int], path: list[int],
-             logits: list[torch.Tensor], tree: RolloutTree, leaf_logits: list, counter: list[int]) -> None:
-    """Append the leaves below `children` (level `level`) to `tree` in depth-first order."""
+             logits: list[torch.Tensor], tree: RolloutTree, leaf_logits: list, node_ids: Iterator[int]) -> None:
+    """Append the leaves below `children` (level `level`) to `tree` in depth-first order; `node_ids` numbers the
+    nodes in pre-order across the recursion."""
     for node in children:
-        node_id = counter[0]
-        counter[0] += 1
+        node_id = next(node_ids)
         tree.generated_tokens += len(node.tokens)
         seq, ids = tokens + node.tokens, path + [node_id]
         lg = logits + ([node.logits] if node.logits is not None else [])
         if node.children:
-            _collect(node.children, branching, level + 1, seq, ids, lg, tree, leaf_logits, counter)
+            _collect(node.children, branching, level + 1, seq, ids, lg, tree, leaf_logits, node_ids)
             continue
         copies = math.prod(branching[level + 1:])  # a node that ended early stands for all the rows below it
         for _ in range(copies):

@@ -116,7 +116,8 @@ def test_episode_tokens_masks_and_limits(mock, chat_tokenizer):
     ids, mask = episode.ids, episode.env_mask
     assert len(ids) == len(mask) and mask[:episode.prompt_length] == [0] * episode.prompt_length
     for turn in episode.turns:  # every policy turn is in the loss and ends with the template's end of turn
-        assert mask[turn.start:turn.end] == [1] * (turn.end - turn.start) and ids[turn.end - 1] == chat_tokenizer.eos_token_id
+        assert mask[turn.start:turn.end] == [1] * (turn.end - turn.start)
+        assert ids[turn.end - 1] == chat_tokenizer.eos_token_id
     assert sum(mask) == sum(t.end - t.start for t in episode.turns)  # tool results and user messages are masked
     text = chat_tokenizer.decode(ids)
     assert "<tool_response>" in text and ScriptedUser(task).opening in text

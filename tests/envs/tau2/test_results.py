@@ -75,7 +75,8 @@ def test_analyze_reads_tau2_results(tmp_path, airline, chat_tokenizer, capsys):
     assert cli.main(["analyze", str(path), "--tokenizer", str(tokdir), "--json", "--num-processes", "2"]) == 0
     two = json.loads(capsys.readouterr().out)
     assert two["episode"]["balance"]["whole_groups"] is True
-    assert cli.main(["analyze", str(path), "--tokenizer", str(tokdir), "--num-processes", "2", "--batch-size", "3"]) == 2
+    argv = ["analyze", str(path), "--tokenizer", str(tokdir), "--num-processes", "2", "--batch-size", "3"]
+    assert cli.main(argv) == 2
 
 
 def _broken(path, data: dict, kind: str) -> None:
@@ -98,7 +99,8 @@ def _broken(path, data: dict, kind: str) -> None:
 @pytest.fixture(scope="module")
 def one_task_results(tmp_path_factory, airline, chat_tokenizer) -> dict:
     path = tmp_path_factory.mktemp("tau2_results") / "results.json"
-    task = next(t for t in airline.tasks if any(a.requestor == "assistant" for a in t.evaluation_criteria.actions or []))
+    task = next(t for t in airline.tasks
+                if any(a.requestor == "assistant" for a in t.evaluation_criteria.actions or []))
     write_results(airline, chat_tokenizer, [task.id], path)
     return json.loads(path.read_text())
 

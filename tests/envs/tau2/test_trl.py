@@ -58,7 +58,8 @@ def test_recipe_builds_the_tau2_workload(mock, chat_tokenizer, tmp_path):
     shaped = build_workload(AgentScriptArguments(agent_domain="mock", agent_num_tasks=3, agent_reward="shaped"),
                             training, chat_tokenizer)
     assert [f.__name__ for f in shaped.reward_funcs] == ["format_reward", "tool_reward", "arguments_reward",
-                                                         "outcome_reward"] and sum(shaped.reward_weights) == pytest.approx(1.0)
+                                                         "outcome_reward"]
+    assert sum(shaped.reward_weights) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="--agent_domain must be one of standin, airline"):
         check_script_args(AgentScriptArguments(agent_domain="banking"))
 

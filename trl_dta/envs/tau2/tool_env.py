@@ -27,8 +27,8 @@ from __future__ import annotations
 import inspect
 from typing import Literal
 
-from .domain import Tau2Domain, call_tool, tau2_assistant_message
 from ._seam import tau2_modules
+from .domain import Tau2Domain, call_tool, tau2_assistant_message
 
 _JSON_TYPES = {"string": str, "integer": int, "number": float, "boolean": bool, "object": dict, "array": list}
 
