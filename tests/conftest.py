@@ -140,9 +140,14 @@ def _bounds_test_id(request):
     yield
 
 
+# The rounding environment of this run, read before any test (a recipe run in-process may change the thread count).
+_SESSION_THREADS = torch.get_num_threads()
+
+
 def pytest_sessionfinish(session):
     """With `DTA_BOUNDS_REPORT=path`, every relative precision comparison of the run (`bounds.RECORD`) as JSON lines:
-    the measured ratios of DTA's error to the dense path's, per test, for the record (issue 21)."""
+    the measured ratios of DTA's error to the dense path's, per test, with the run's intra-op threads and CPU
+    capability, for the record (issue 21)."""
     path = os.environ.get("DTA_BOUNDS_REPORT")
     if not path:
         return
@@ -155,5 +160,5 @@ def pytest_sessionfinish(session):
     with open(path, "a") as f:
         for test, what, dta, dense, slack in bounds.RECORD:
             f.write(json.dumps({"test": test, "what": what, "dta": dta, "dense": dense, "ratio": dta / dense,
-                                "slack": slack, "threads": torch.get_num_threads(),
+                                "slack": slack, "threads": _SESSION_THREADS,
                                 "capability": torch.backends.cpu.get_cpu_capability()}) + "\n")
