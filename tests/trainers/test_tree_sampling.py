@@ -19,6 +19,7 @@ from transformers.generation import (
 )
 
 from tests.conftest import use_input_dtype_norms
+from tests.generation.stats import chi_square_p
 from trl_dta.trainers import tree_sampling
 from trl_dta.trainers.tree_sampling import (
     check_generation_config,
@@ -105,32 +106,14 @@ def _exact_sibling_distribution(model, prompt: list[int], config) -> dict[tuple,
     return joint
 
 
-def _chi_square_p(observed: Counter, expected: dict[tuple, float], n: int) -> float:
-    """p-value of Pearson's chi-square goodness-of-fit; outcomes with expected count < 5 are pooled into one bin."""
-    assert set(observed) <= set(expected), f"impossible outcomes sampled: {set(observed) - set(expected)}"
-    stat, bins, pooled_obs, pooled_exp = 0.0, 0, 0.0, 0.0
-    for outcome, p in expected.items():
-        e, o = p * n, observed.get(outcome, 0)
-        if e < 5:
-            pooled_obs, pooled_exp = pooled_obs + o, pooled_exp + e
-            continue
-        stat += (o - e) ** 2 / e
-        bins += 1
-    if pooled_exp > 0:
-        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
-        bins += 1
-    return float(torch.special.gammaincc(torch.tensor((bins - 1) / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
-
-
 def _leaf_p(trees, j: int, expected: dict) -> float:
-    return _chi_square_p(Counter(tuple(tree.leaves[j]) for tree in trees), expected, len(trees))
+    return chi_square_p(Counter(tuple(tree.leaves[j]) for tree in trees), expected, len(trees))
 
 
 def _sibling_p(trees, expected: dict) -> float:
     """The joint test over every first-level node of `[2, 2]` trees (rows 2k, 2k + 1 are one node's leaves)."""
     pairs = Counter((tuple(t.leaves[k]), tuple(t.leaves[k + 1])) for t in trees for k in range(0, len(t.leaves), 2))
-    return _chi_square_p(pairs, expected, sum(pairs.values()))
+    return chi_square_p(pairs, expected, sum(pairs.values()))
 
 
 @pytest.fixture(scope="module")
