@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import math
 import time
 from pathlib import Path
@@ -110,23 +109,10 @@ def measure(shape, prompt_len: int, branching: list[int], completion_len: int, s
 
 
 def write(rows: list[dict], stem: str) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{stem}.csv"
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows({k: _fmt(r.get(k)) for k in COLUMNS} for r in rows)
-    table = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    table += ["| " + " | ".join(_fmt(r.get(k), 4) for k in COLUMNS) + " |" for r in rows]
-    (RESULTS / f"{stem}.md").write_text("\n".join(table) + "\n")
+    path = common.write_csv(rows, RESULTS / f"{stem}.csv", COLUMNS)
+    (RESULTS / f"{stem}.md").write_text(common.markdown_table(rows, COLUMNS) + "\n")
     plot(rows, RESULTS / f"{stem}.png")
     common.log(f"wrote {path} (+ .md, .png)")
-
-
-def _fmt(value, digits: int = 6) -> str:
-    if value is None:
-        return ""
-    return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
 
 
 def plot(rows: list[dict], png: Path) -> None:

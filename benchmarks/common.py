@@ -458,15 +458,15 @@ def _fmt(value) -> str:
     return str(value)
 
 
-def write_csv(rows: list[dict], path: str | Path) -> Path:
-    """Write rows with the fixed `CSV_COLUMNS` (missing values empty)."""
+def write_csv(rows: list[dict], path: str | Path, columns: Sequence[str] = CSV_COLUMNS) -> Path:
+    """Write rows with `columns` (the fixed `CSV_COLUMNS` by default; missing values empty)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
         writer.writeheader()
         for row in rows:
-            writer.writerow({k: _fmt(row.get(k)) for k in CSV_COLUMNS})
+            writer.writerow({k: _fmt(row.get(k)) for k in columns})
     return path
 
 
