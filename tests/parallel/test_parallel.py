@@ -4,8 +4,6 @@ refusal naming the alternative), and one process gets the no-op strategy. The st
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
@@ -25,9 +23,9 @@ def test_refused_kinds_name_the_alternative(kind):
 
 
 def test_one_process_is_local():
-    trainer = SimpleNamespace(accelerator=Accelerator(cpu=True))
-    strategy = strategy_for(trainer)
-    assert type(strategy) is Local and strategy.backward_scale(trainer.accelerator) == 1.0
+    accelerator = Accelerator(cpu=True)
+    strategy = strategy_for(accelerator)
+    assert type(strategy) is Local and strategy.backward_scale(accelerator) == 1.0
 
 
 def test_zero_offload_read_from_the_deepspeed_config():

@@ -70,7 +70,7 @@ class EngineCalls:
 
         def _call(engine, seqs, loss_fn, *args, **kwargs):
             out = original(engine, seqs, loss_fn, *args, **kwargs)
-            calls.append({"train": loss_fn is not None, "lockstep": engine.lockstep is not None,
+            calls.append({"train": loss_fn is not None, "lockstep": kwargs.get("lockstep") is not None,
                           **{k: v for k, v in out.stats.items() if k != "seconds"}})
             return out
 

@@ -370,7 +370,7 @@ def test_padding_rows_carry_no_loss(tmp_path, episodes, tokenizer, loss_type, le
     def run(batch, factor=1.0):
         trainer.model.zero_grad()
         trainer._metrics["train"].clear()
-        with unpadded_metrics(trainer, batch):
+        with unpadded_metrics(trainer._metrics["train"], trainer.importance_sampling_level, batch):
             loss = trainer._compute_loss(trainer.model, batch) * factor
         loss.backward()
         grads = torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])

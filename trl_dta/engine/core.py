@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +25,8 @@ from . import router_loss as routers
 from .plan import ScorePlan
 from .schedule import Budgets
 from .walk import LossFn, TreeWalk
+
+Lockstep = Callable[[int], int]  # agree(n): the largest n over the processes (an all-reduce)
 
 # How an engine user turns off active dropout modules (at call time, in training mode).
 _DROPOUT_FIX = Blocker("", fix="set the dropout probabilities to 0, or call `model.eval()`")
@@ -105,11 +107,12 @@ class DTAEngine:
             log-sum-exp; `"auto"`: the fastest exact backend on the model's device (CPU: `"torch"`; CUDA: `"flash"`
             when flash-attn is installed, else `"torch"`). All are exact; an unavailable choice is refused here.
 
-    Lockstep (`engine.lockstep`, *optional*, defaults to `None`): for a model whose layers are sharded across
-    processes and gathered inside each forward and backward (FSDP2's per-layer schedule, `parallel/fsdp2.py`), every
-    process must make the same model calls. Set it to a function `agree(n) -> int` that returns the largest `n` over
-    the processes (an all-reduce); each call then runs its tree as batches of packed subtree rows, as many as every
-    process runs (`engine/walk.py`, "Lockstep"; stat `idle_batches`). Exact like every schedule.
+    Lockstep (the calls' `lockstep` argument; `engine.lockstep`, defaults to `None`, is its default): for a model whose
+    layers are sharded across processes and gathered inside each forward and backward (FSDP2's per-layer schedule,
+    `parallel/fsdp2.py`, whose `engine_call` context yields the argument), every process must make the same model
+    calls. Pass a function `agree(n) -> int` that returns the largest `n` over the processes (an all-reduce); the call
+    then runs its tree as batches of packed subtree rows, as many as every process runs (`engine/walk.py`,
+    "Lockstep"; stat `idle_batches`). Exact like every schedule.
 
     Hybrid models (recurrent layers beside attention, `trl_dta.recurrent.RECURRENT_FAMILIES`): the recurrent layers'
     states are carried along the tree (`engine.layout`); `max_pack_tokens` has no effect on them (a recurrence cannot
@@ -136,7 +139,7 @@ class DTAEngine:
         self.attn_backend = _checks.check_choice("attn_backend", attn_backend, kernels.BACKENDS)
         self.model = model
         self.last_stats: dict = {}
-        self.lockstep = None
+        self.lockstep: Lockstep | None = None  # the calls' default `lockstep` (class docstring)
         lm = _causal_lm(model)
         if getattr(lm.config, "is_encoder_decoder", False):
             raise TypeError("DTAEngine supports decoder-only causal LMs, not encoder-decoder models.")
@@ -167,7 +170,7 @@ class DTAEngine:
     @torch.no_grad()
     def logprobs(self, seqs: Iterable | PrefixTree, *, temperature: float = 1.0, entropy: bool = False,
                  n_scored: int | Sequence[int] | None = None,
-                 router_loss: routers.LoadBalancing | None = None) -> DTAOutput:
+                 router_loss: routers.LoadBalancing | None = None, lockstep: Lockstep | None = None) -> DTAOutput:
         """Per-sequence next-token log-probs (and entropies), without grad.
 
         Args:
@@ -181,16 +184,20 @@ class DTAEngine:
                 needs are never projected through the LM head. None scores all `len_i - 1` positions.
             router_loss (`LoadBalancing`, *optional*): MoE models: also return each group's load-balancing loss
                 (`DTAOutput.router_aux`; counted in the same walk, no extra forward).
+            lockstep (`Callable[[int], int]`, *optional*): run in lockstep with the other processes (class docstring);
+                defaults to `engine.lockstep`.
 
         Returns:
             [`DTAOutput`] with `logps[i][t - 1] = log p(s_i[t] | s_i[:t])` for `t = 1 .. len_i - 1` (only the last
             `n_scored[i]` of them when given).
         """
-        return self._call(seqs, None, temperature, entropy, n_scored, _router_request(router_loss))
+        return self._call(seqs, None, temperature, entropy, n_scored, _router_request(router_loss),
+                          lockstep=self.lockstep if lockstep is None else lockstep)
 
     def forward_backward(self, seqs: Iterable | PrefixTree, loss_fn: LossFn, *, temperature: float = 1.0,
                          entropy: bool = False, n_scored: int | Sequence[int] | None = None,
-                         router_loss: routers.LoadBalancing | None = None) -> DTAOutput:
+                         router_loss: routers.LoadBalancing | None = None,
+                         lockstep: Lockstep | None = None) -> DTAOutput:
         """Run `sum_i loss_fn(i, logps_i, entropy_i)` forward and backward through the tree.
 
         Afterwards every parameter's `.grad` has been increased by exactly what
@@ -208,6 +215,7 @@ class DTAEngine:
             router_loss (`LoadBalancing`, *optional*): MoE models: also back-propagate `sum_m coefs[m] * aux_m`, the
                 load-balancing loss of each group of sequences as transformers computes it on the group's padded
                 batch (`router_loss.py`; costs one no-grad forward over the tree, without the LM head, first).
+            lockstep (`Callable[[int], int]`, *optional*): as in [`~DTAEngine.logprobs`].
 
         Returns:
             [`DTAOutput`] with the detached total loss and per-sequence log-probs (and entropies).
@@ -216,11 +224,13 @@ class DTAEngine:
             raise TypeError(
                 f"`loss_fn` must be a callable (i, logps_i, entropy_i) -> scalar tensor, got {type(loss_fn).__name__}."
             )
-        return self._call(seqs, loss_fn, temperature, entropy, n_scored, _router_request(router_loss))
+        return self._call(seqs, loss_fn, temperature, entropy, n_scored, _router_request(router_loss),
+                          lockstep=self.lockstep if lockstep is None else lockstep)
 
     # ------------------------------------------------------------------ one call
 
-    def _call(self, seqs, loss_fn: LossFn | None, temperature, entropy, n_scored, router_loss=None) -> DTAOutput:
+    def _call(self, seqs, loss_fn: LossFn | None, temperature, entropy, n_scored, router_loss=None, *,
+              lockstep: Lockstep | None = None) -> DTAOutput:
         t0 = time.perf_counter()
         temperature = _checks.check_float("temperature", temperature, minimum=0.0, exclusive=True)
         entropy = _checks.check_bool("entropy", entropy)
@@ -228,7 +238,7 @@ class DTAEngine:
         tree = self._tree(seqs, lm)
         walked = tree
         if self.layout.hybrid:
-            self._refuse_lockstep()
+            self._refuse_lockstep(lockstep)
             walked = tree.unshared(min_length=2)  # no one-token continuation of a path (`walk.py`)
         plan = ScorePlan(walked, _n_scored(tree, n_scored))
         if loss_fn is not None:
@@ -245,13 +255,14 @@ class DTAEngine:
             backend = self._device_backend(lm)
             observer = None
             if spec is not None and loss_fn is not None:  # training: the counting pass first
-                observer, aux, counted = self._router_counts(lm, walked, budgets, backend, spec, capture, router_loss)
+                observer, aux, counted = self._router_counts(lm, walked, budgets, backend, spec, capture, router_loss,
+                                                             lockstep)
             elif spec is not None:  # no grad: the walk itself counts
                 record = routers.new_record(walked, spec, lm.dtype, lm.get_output_embeddings().weight.device)
                 observer = routers.RouterObserver(capture, spec, record=record)
             result = TreeWalk(lm, self.layout, walked, plan, budgets, loss_fn=loss_fn, temperature=temperature,
                               entropy=entropy, attn_backend=backend, precision=self._precision(lm), router=observer,
-                              lockstep=self.lockstep).run()
+                              lockstep=lockstep).run()
         if record is not None:
             aux = routers.router_weights(record, walked, router_loss, spec.n_experts).aux
         elif aux is not None:
@@ -265,7 +276,8 @@ class DTAEngine:
         self.last_stats = dict(stats)
         return DTAOutput(result.loss, result.logps, result.entropies, stats, aux)
 
-    def _router_counts(self, lm, tree: PrefixTree, budgets: Budgets, backend: str, spec, capture, request):
+    def _router_counts(self, lm, tree: PrefixTree, budgets: Budgets, backend: str, spec, capture, request,
+                       lockstep: Lockstep | None):
         """The counting pass of the load-balancing loss (`router_loss.py`): a no-grad walk without the LM head.
         Returns the training walk's observer, each group's loss value `(n_groups,)` and the pass's counters."""
         device = lm.get_output_embeddings().weight.device
@@ -274,17 +286,17 @@ class DTAEngine:
         plan = ScorePlan(tree, [0] * tree.n_sequences)
         with torch.no_grad():
             walk = TreeWalk(lm, self.layout, tree, plan, budgets, attn_backend=backend,  # no grad, log-probs only
-                             precision=self._precision(lm), router=counting, lockstep=self.lockstep)
+                             precision=self._precision(lm), router=counting, lockstep=lockstep)
             stats = walk.run().stats
         weights = routers.router_weights(record, tree, request, spec.n_experts)
         return routers.RouterObserver(capture, spec, weights=weights.weights), weights.aux, stats
 
-    def _refuse_lockstep(self) -> None:
-        if self.lockstep is not None:
+    def _refuse_lockstep(self, lockstep: Lockstep | None) -> None:
+        if lockstep is not None:
             raise NotImplementedError(
                 f"DTAEngine.lockstep: {type(_causal_lm(self.model)).__name__} has recurrent layers "
                 f"{list(self.layout.recurrent)}, which cannot run the lockstep walk's packed subtree rows (a "
-                "recurrence cannot follow a tree mask). Leave `engine.lockstep` unset (under FSDP2: the trainers' "
+                "recurrence cannot follow a tree mask). Leave `lockstep` unset (under FSDP2: the trainers' "
                 "`dta_fsdp_schedule='window'`)."
             )
 

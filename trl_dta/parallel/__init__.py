@@ -9,8 +9,9 @@ the few operations the trainer calls (`trainers/_mixin.py` only dispatches):
 - `begin_window(model)` / `end_window(model)`: at the first micro-step of an optimizer window and after its last one
   (`end_window` reduces the gradients).
 - `micro_step(model)`: a context around each micro-step.
-- `engine_call(engine, model, train)`: a context around each engine call; `scoring(model)` around each no-grad
-  scoring call (TRL's `_get_per_token_logps_and_entropies`, DTA or dense path).
+- `engine_call(model, train)`: a context around each engine call, yielding the call's `lockstep` argument (None, or
+  FSDP2's `"layer"` agreement); `scoring(model)` around each no-grad scoring call (TRL's
+  `_get_per_token_logps_and_entropies`, DTA or dense path).
 - `backward_scale(accelerator)`: the factor `accelerator.backward` applies to the loss.
 - `all_ranks(flag)`: whether `flag` holds on every rank, for strategies whose ranks must take one path (`lockstep`:
   FSDP2's `"layer"` schedule, where each layer's forward and backward is a collective); `flag` itself elsewhere.
@@ -38,7 +39,7 @@ from .ddp import DataParallel, Local
 _FIX = DENSE_FALLBACK
 
 
-def _fsdp(trainer, accelerator):
+def _fsdp(accelerator, schedule: str):
     plugin = accelerator.state.fsdp_plugin
     version = getattr(plugin, "fsdp_version", 1)
     if version != 2:
@@ -62,29 +63,29 @@ def _fsdp(trainer, accelerator):
         )
     from .fsdp2 import FSDP2
 
-    return FSDP2(trainer._dta.dta_fsdp_schedule, accelerator.device)
+    return FSDP2(schedule, accelerator.device)
 
 
-def _deepspeed(trainer, accelerator):
+def _deepspeed(accelerator, schedule: str):
     from .zero import Zero
 
     return Zero.from_accelerator(accelerator)
 
 
 def _refuse(kind: str, alternative: str):
-    def refuse(trainer, accelerator):
+    def refuse(accelerator, schedule):
         raise ValueError(f"{kind} is not supported with DTA. {alternative}, {_FIX}")
 
     return refuse
 
 
-def _data_parallel(trainer, accelerator):
+def _data_parallel(accelerator, schedule: str):
     return DataParallel(accelerator) if accelerator.num_processes > 1 else Local()
 
 
-# accelerate `DistributedType` value -> factory (trainer, accelerator) -> strategy.
+# accelerate `DistributedType` value -> factory (accelerator, FSDP2 schedule) -> strategy.
 STRATEGIES = {
-    "NO": lambda trainer, accelerator: Local(),
+    "NO": lambda accelerator, schedule: Local(),
     **{kind: _data_parallel for kind in ("MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA",
                                          "MULTI_MUSA", "MULTI_XPU", "MULTI_HPU", "MULTI_NEURON")},
     "FSDP": _fsdp,
@@ -107,10 +108,14 @@ def _check_parallelism(accelerator) -> None:
         )
 
 
-def strategy_for(trainer):
-    """The strategy for what the trainer's accelerator actually set up; refuses an unsupported setting (at
-    construction: call it once the TRL trainer is built)."""
-    accelerator = trainer.accelerator
+def strategy_for(accelerator, fsdp_schedule: str = "window"):
+    """The strategy for what `accelerator` actually set up; refuses an unsupported setting (at construction: call it
+    once the TRL trainer is built).
+
+    Args:
+        accelerator (`accelerate.Accelerator`): the trainer's.
+        fsdp_schedule (`str`, *optional*, defaults to `"window"`): FSDP2's schedule (`dta_fsdp_schedule`).
+    """
     kind = getattr(accelerator.distributed_type, "name", str(accelerator.distributed_type))
     factory = STRATEGIES.get(kind)
     if factory is None:
@@ -119,7 +124,7 @@ def strategy_for(trainer):
             f"...), FSDP2 and DeepSpeed ZeRO-0/1/2, {_FIX}"
         )
     _check_parallelism(accelerator)
-    return factory(trainer, accelerator)
+    return factory(accelerator, fsdp_schedule)
 
 
 __all__ = ["STRATEGIES", "DataParallel", "Local", "strategy_for"]

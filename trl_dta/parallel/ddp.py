@@ -30,8 +30,10 @@ class Local:
         yield
 
     @contextlib.contextmanager
-    def engine_call(self, engine, model, train: bool):
-        yield
+    def engine_call(self, model, train: bool):
+        """A context around each engine call on `model`; yields the engine call's `lockstep` argument (None: each
+        rank walks its own forest)."""
+        yield None
 
     @contextlib.contextmanager
     def scoring(self, model):

@@ -41,12 +41,13 @@ the LM head, which the engine calls directly) are held gathered for the window a
 FSDP2's own schedule: all-gathered in its pre-forward hook, resharded after the forward (accelerate's
 `fsdp_reshard_after_forward: true`), all-gathered again in its pre-backward hook, its gradient reduce-scattered after
 every backward (sync stays on for the whole window, whatever `no_sync` the HF Trainer puts around a micro-step) and
-accumulated into the sharded gradient. Those collectives pair across ranks only if every rank makes the same forward
-and backward calls, so the engine runs in lockstep (`engine.lockstep`, `engine/walk.py`): each engine call packs the
-rank's forest into batches of root-subtree rows, the ranks agree on the batch count (one all-reduce of an int), and a
-rank with fewer runs idle batches; the decision between DTA and TRL's dense path (`dta_min_compression`, an input DTA
-does not take) is agreed too, so that ranks never mix the two in one window or scoring call. With `L` decoder layers,
-`H` other groups (`H_t` of them trainable) and `b` agreed batches in the window's engine call(s):
+accumulated into the sharded gradient. Those collectives pair across ranks only if every rank makes the same forward and
+backward calls, so the engine runs in lockstep (the `lockstep` argument `engine_call` yields, `engine/walk.py`): each
+engine call packs the rank's forest into batches of root-subtree rows, the ranks agree on the batch count (one
+all-reduce of an int), and a rank with fewer runs idle batches; the decision between DTA and TRL's dense path
+(`dta_min_compression`, an input DTA does not take) is agreed too, so that ranks never mix the two in one window or
+scoring call. With `L` decoder layers, `H` other groups (`H_t` of them trainable) and `b` agreed batches in the window's
+engine call(s):
 
     all-gathers per window     = H + 2 L b      (the engine's forwards and backwards; TRL's generation adds its own)
     reduce-scatters per window = H_t + L b
@@ -254,13 +255,12 @@ class FSDP2(Local):
             self._close(scope)
 
     @contextlib.contextmanager
-    def engine_call(self, engine, model, train: bool):
+    def engine_call(self, model, train: bool):
         """An engine call runs inside a scope (the window or a scoring call); a call outside both (a custom
-        subclass's) gets one of its own. With `"layer"`, in lockstep with the other ranks."""
+        subclass's) gets one of its own. Yields the call's `lockstep` argument: with `"layer"` on a model whose
+        decoder layers are sharded one by one, `agree_max` (the call runs in lockstep with the other ranks)."""
         scope = self._open(model, train)
-        saved, engine.lockstep = engine.lockstep, (self.agree_max if self._per_layer(model) else None)
         try:
-            yield
+            yield self.agree_max if self._per_layer(model) else None
         finally:
-            engine.lockstep = saved
             self._close(scope)

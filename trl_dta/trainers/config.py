@@ -463,6 +463,22 @@ DTAGRPOConfig.__doc__ = _config_doc("DTAGRPOTrainer", "GRPOConfig")
 DTARLOOConfig.__doc__ = _config_doc("DTARLOOTrainer", "RLOOConfig")
 
 
+def graph_budget(dta: DTAArguments, args) -> int | None:
+    """The engine's `max_graph_tokens`: `dta_max_graph_tokens`, or with HF gradient checkpointing on and no budget
+    given, `dta_block_size` (with a one-time warning: DTA runs without HF checkpointing, which cannot reuse a prefix's
+    keys/values, and bounds memory with its block recompute instead)."""
+    if dta.dta_max_graph_tokens is not None or not args.gradient_checkpointing:
+        return dta.dta_max_graph_tokens
+    warn_once(
+        "gradient_checkpointing",
+        "gradient_checkpointing=True: HF gradient checkpointing cannot reuse a prefix's keys/values, so DTA runs "
+        f"without it and bounds memory with DTA's block recompute instead (dta_max_graph_tokens={dta.dta_block_size})."
+        " Micro-batches on TRL's dense path keep HF checkpointing. Set `dta_max_graph_tokens` to choose the budget, or "
+        "`gradient_checkpointing=False` to keep every graph (fastest).",
+    )
+    return dta.dta_block_size
+
+
 def check_trainer_args(args) -> None:
     """Options of the HF/TRL config that DTA cannot honour exactly: one refusal naming each with its fix."""
     blockers = []

@@ -36,6 +36,7 @@ rank 1 turn rows: 5 -> micro-batches of 2, 3          padded to 4, 3    ("+": a 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 from accelerate.utils import gather_object
@@ -62,16 +63,42 @@ _ROW_NORMALISED = {"grpo": "averages the rows of each micro-batch", "sapo": "ave
                    "dr_grpo": "divides by the rows of each micro-batch times max_completion_length"}
 
 
-def regrouping_changes(trainer, across_ranks: bool) -> str | None:
+@dataclass(frozen=True)
+class RowSettings:
+    """The trainer's settings the regroupings depend on, read once (`DTATrainerMixin._dta_rows`).
+
+    Args:
+        steps_per_generation (`int`), gradient_accumulation_steps (`int`), num_generations (`int`): TRL's.
+        loss_type (`str`, *optional*): TRL's `loss_type` (None for RLOO).
+        entropy_bonus (`bool`): TRL's entropy bonus is on.
+        top_entropy_quantile (`float`): TRL's entropy mask (1.0: off).
+        aux_loss (`bool`): TRL's MoE router loss is on.
+        importance_sampling_level (`str`): `"token"` or `"sequence"`.
+        pad_token_id (`int`): the tokenizer's pad id (0 without one).
+        pad_to_multiple_of (`int`, *optional*): TRL's padding multiple.
+    """
+
+    steps_per_generation: int
+    gradient_accumulation_steps: int
+    num_generations: int
+    loss_type: str | None = None
+    entropy_bonus: bool = False
+    top_entropy_quantile: float = 1.0
+    aux_loss: bool = False
+    importance_sampling_level: str = "token"
+    pad_token_id: int = 0
+    pad_to_multiple_of: int | None = None
+
+
+def regrouping_changes(settings: RowSettings, across_ranks: bool) -> str | None:
     """Why moving rows between micro-batches (or ranks, `across_ranks=True`) changes the updates, or None if it does
     not.
 
     Args:
-        trainer (`GRPOTrainer` or `RLOOTrainer`): the trainer (its `args`, loss settings and entropy controls).
+        settings ([`RowSettings`]): the trainer's settings.
         across_ranks (`bool`): rows move between ranks (`dta_balance`), not only between a rank's micro-batches.
     """
-    args = trainer.args
-    spg, accumulation = args.steps_per_generation, args.gradient_accumulation_steps
+    spg, accumulation = settings.steps_per_generation, settings.gradient_accumulation_steps
     reasons = []
     if accumulation % spg and (across_ranks or spg > 1):
         reasons.append(
@@ -80,16 +107,23 @@ def regrouping_changes(trainer, across_ranks: bool) -> str | None:
         )
     if not across_ranks and spg == 1:
         return None  # one micro-batch per generation: the same rows, only in another order
-    if getattr(trainer, "loss_type", None) == "bnpo":
+    if settings.loss_type == "bnpo":
         reasons.append("loss_type='bnpo' divides by the micro-batch's token count")
-    if getattr(trainer, "_entropy_bonus_enabled", False):
+    if settings.entropy_bonus:
         reasons.append("the entropy bonus divides by the micro-batch's token count")
-    if getattr(trainer, "top_entropy_quantile", 1.0) < 1.0:
+    if settings.top_entropy_quantile < 1.0:
         reasons.append("top_entropy_quantile < 1 thresholds entropies over the micro-batch")
-    if getattr(trainer, "aux_loss_enabled", False):
+    if settings.aux_loss:
         reasons.append("the MoE load-balancing loss (router_aux_loss_coef) multiplies routing fractions and mean "
                        "router probabilities over each micro-batch's tokens")
     return "; ".join(reasons) or None
+
+
+def refit_cost_model(cost_model: CostModel, samples: list[tuple[float, float, float, float]]) -> CostModel:
+    """The balancer's cost model refitted to the engine times `samples` of all ranks (identically on every rank), or
+    `cost_model` while fewer than 8 samples exist (`dta_cost_model="fit"`)."""
+    samples = [row for rows in gather_object([samples]) for row in rows]
+    return CostModel.fit(samples, hidden_size=cost_model.hidden_size) if len(samples) >= 8 else cost_model
 
 
 def split_by_groups(batch: dict, k: int, groups: torch.Tensor, cost_model: CostModel) -> list[dict]:
@@ -126,13 +160,15 @@ def split_by_groups(batch: dict, k: int, groups: torch.Tensor, cost_model: CostM
     return [take_rows(batch, permutation[torch.tensor(part, dtype=torch.long)]) for part in parts]
 
 
-def balance_ranks(trainer, batch: dict, cost_model: CostModel) -> tuple[dict, torch.Tensor]:
+def balance_ranks(accelerator, settings: RowSettings, batch: dict, cost_model: CostModel,
+                  metrics: dict[str, list]) -> tuple[dict, torch.Tensor]:
     """Exchange whole prompt groups between ranks so that each trains on a forest of equal cost (`dta_balance`).
 
     Returns this rank's new generation batch and the global group id of each of its rows; the batch is left as it is
-    (with a one-time warning) when its rows do not hold whole groups, and for vision inputs.
+    (with a one-time warning) when its rows do not hold whole groups, and for vision inputs. Logs the compression
+    before and after, and the ranks' cost imbalance, into `metrics`.
     """
-    accelerator, size = trainer.accelerator, trainer.num_generations
+    size = settings.num_generations
     n = num_rows(batch)
     groups = group_ids(accelerator.process_index, n, size)
     if has_vision_inputs(batch):
@@ -146,9 +182,8 @@ def balance_ranks(trainer, batch: dict, cost_model: CostModel) -> tuple[dict, to
         )
         return batch, groups
     before = gather_object([forest_stats(Layout.from_batch(batch).seqs)])
-    pad = trainer._tokenizer.pad_token_id or 0
-    local, local_groups, result = redistribute(accelerator, batch, groups, pad_token_id=pad, cost_model=cost_model)
-    metrics = trainer._metrics["train"]
+    local, local_groups, result = redistribute(accelerator, batch, groups, pad_token_id=settings.pad_token_id,
+                                               cost_model=cost_model)
     metrics["dta/compression_ratio_before_balance"].append(
         sum(s.tokens for s in before) / max(sum(s.tree_tokens for s in before), 1)
     )
@@ -157,24 +192,23 @@ def balance_ranks(trainer, batch: dict, cost_model: CostModel) -> tuple[dict, to
     return local, local_groups
 
 
-def per_turn_changes(trainer, total_rows: int | None = None) -> str | None:
+def per_turn_changes(settings: RowSettings, total_rows: int | None = None) -> str | None:
     """Why the per-turn objective on several processes depends on which rank holds which turn rows, or None if it does
     not (then it is the one-process per-turn objective, and `dta_balance` may move rows).
 
     Args:
-        trainer (`GRPOTrainer`): the trainer (its `args`, `loss_type` and entropy controls).
+        settings ([`RowSettings`]): the trainer's settings.
         total_rows (`int`, *optional*): the generation's turn rows on all ranks, when known.
     """
-    args = trainer.args
-    spg, accumulation = args.steps_per_generation, args.gradient_accumulation_steps
-    entropy_bonus = getattr(trainer, "_entropy_bonus_enabled", False)
+    spg, accumulation = settings.steps_per_generation, settings.gradient_accumulation_steps
+    entropy_bonus = settings.entropy_bonus
     reasons = []
     if accumulation % spg:
         reasons.append(
             f"one generation feeds several optimizer steps (gradient_accumulation_steps={accumulation} is not a "
             f"multiple of steps_per_generation={spg}), so each step trains on the rows its micro-batches happen to hold"
         )
-    loss_type = getattr(trainer, "loss_type", None)
+    loss_type = settings.loss_type
     if loss_type in _ROW_NORMALISED and not entropy_bonus and spg > 1 and (total_rows is None or total_rows % spg):
         rows = "an unknown number of" if total_rows is None else f"{total_rows}"
         reasons.append(f"loss_type='{loss_type}' weighs a row by 1 / (rows of its micro-batch), and {rows} turn rows "
@@ -186,12 +220,13 @@ def per_turn_changes(trainer, total_rows: int | None = None) -> str | None:
         reasons.append("loss_type='bnpo' divides by the loss tokens of each rank's own micro-batch")
     if entropy_bonus:
         reasons.append("the entropy bonus divides by the loss tokens of each rank's own micro-batch")
-    if getattr(trainer, "top_entropy_quantile", 1.0) < 1.0 and spg > 1:
+    if settings.top_entropy_quantile < 1.0 and spg > 1:
         reasons.append("top_entropy_quantile < 1 thresholds entropies over each micro-batch of all ranks")
     return "; ".join(reasons) or None
 
 
-def balance_turn_rows(trainer, episodes: dict, rows: dict, cost_model: CostModel) -> dict:
+def balance_turn_rows(accelerator, settings: RowSettings, episodes: dict, rows: dict, cost_model: CostModel,
+                      metrics: dict[str, list]) -> dict:
     """Exchange whole prompt groups of turn rows between ranks so that each rank's per-turn forest costs the same.
 
     A group is a task's `num_generations` episodes with all their turns: their system prompt and shared turns stay in
@@ -199,17 +234,19 @@ def balance_turn_rows(trainer, episodes: dict, rows: dict, cost_model: CostModel
     whole, any number of rows per rank (the micro-batches are padded afterwards).
 
     Args:
-        trainer (`GRPOTrainer`): the trainer (accelerator, `num_generations`, metrics).
+        accelerator (`accelerate.Accelerator`): the processes.
+        settings ([`RowSettings`]): the trainer's settings.
         episodes (`dict`): this rank's generation batch of episodes (`n` rows), as TRL's
             `_generate_and_score_completions` returns it.
         rows (`dict`): its turn rows ([`~trl_dta.trainers.layouts.expand_per_turn`] of `episodes`).
         cost_model ([`~trl_dta.balance.CostModel`]): cost of a forest.
+        metrics (`dict[str, list]`): where the balance's metrics are logged.
 
     Returns:
         `dict`: this rank's turn rows after the exchange (unchanged, with a one-time warning, when the episodes do not
         hold whole groups).
     """
-    accelerator, size = trainer.accelerator, trainer.num_generations
+    size = settings.num_generations
     n = num_rows(episodes)
     if n % size:
         warn_once(
@@ -222,11 +259,9 @@ def balance_turn_rows(trainer, episodes: dict, rows: dict, cost_model: CostModel
     groups = group_ids(accelerator.process_index, n, size)[episode_of_rows(episodes)]  # (R,)
     seqs = sequences(rows)
     before = gather_object([(forest_stats(seqs), cost_model.forest_cost(seqs) if seqs else 0.0)])
-    pad = trainer._tokenizer.pad_token_id or 0
-    local, _, result = redistribute(accelerator, rows, groups, pad_token_id=pad, cost_model=cost_model,
-                                    equal_count=False)
+    local, _, result = redistribute(accelerator, rows, groups, pad_token_id=settings.pad_token_id,
+                                    cost_model=cost_model, equal_count=False)
     costs = [cost for _, cost in before]
-    metrics = trainer._metrics["train"]
     metrics["dta/compression_ratio_before_balance"].append(
         sum(s.tokens for s, _ in before) / max(sum(s.tree_tokens for s, _ in before), 1)
     )
@@ -236,13 +271,13 @@ def balance_turn_rows(trainer, episodes: dict, rows: dict, cost_model: CostModel
     return local
 
 
-def _row_counts(trainer, rows: dict) -> list[int]:
+def _row_counts(accelerator, rows: dict) -> list[int]:
     """Turn rows of every rank."""
     n = num_rows(rows)
-    return gather_object([n]) if trainer.accelerator.num_processes > 1 else [n]
+    return gather_object([n]) if accelerator.num_processes > 1 else [n]
 
 
-def row_weights(trainer, real: list[int], padded: list[int]) -> list[float]:
+def row_weights(settings: RowSettings, processes: int, real: list[int], padded: list[int]) -> list[float]:
     """The factor of each micro-batch's loss that makes a row-mean loss type the one-process objective.
 
     With `loss_type` `grpo`, `sapo`, `luspo` or `dr_grpo`, TRL divides a rank's micro-batch `k` by its row count,
@@ -251,13 +286,13 @@ def row_weights(trainer, real: list[int], padded: list[int]) -> list[float]:
     `processes * padded[k] / real[k]` (1 for the other loss types, with the entropy bonus, and for a micro-batch
     without real rows).
     """
-    processes = trainer.accelerator.num_processes
-    if trainer.loss_type not in _ROW_NORMALISED or getattr(trainer, "_entropy_bonus_enabled", False):
+    if settings.loss_type not in _ROW_NORMALISED or settings.entropy_bonus:
         return [1.0] * len(padded)
     return [processes * p / r if r else 1.0 for p, r in zip(padded, real)]
 
 
-def per_turn_buffer(trainer, episodes: dict, balance: bool, cost_model: CostModel | None = None) -> list[dict]:
+def per_turn_buffer(accelerator, settings: RowSettings, episodes: dict, metrics: dict[str, list], balance: bool,
+                    cost_model: CostModel | None = None) -> list[dict]:
     """A generation's `steps_per_generation` per-turn micro-batches on this rank, any number of processes.
 
     The episodes become turn rows ([`~trl_dta.trainers.layouts.expand_per_turn`]), exchanged between ranks
@@ -268,27 +303,29 @@ def per_turn_buffer(trainer, episodes: dict, balance: bool, cost_model: CostMode
     `layouts.ROW_WEIGHT_KEY` where it is not 1. Logs `dta/padding_rows` (padding rows of all ranks per generation).
 
     Args:
-        trainer (`GRPOTrainer`): the trainer.
+        accelerator (`accelerate.Accelerator`): the processes.
+        settings ([`RowSettings`]): the trainer's settings.
         episodes (`dict`): this rank's generation batch of episodes.
+        metrics (`dict[str, list]`): the training metrics (`dta/padding_rows`, the balance's).
         balance (`bool`): `dta_balance` requested (DTA on, several processes).
         cost_model ([`~trl_dta.balance.CostModel`], *optional*): cost of a forest, for `balance`.
     """
-    accelerator, spg = trainer.accelerator, trainer.args.steps_per_generation
-    pad_id, multiple = trainer._tokenizer.pad_token_id or 0, trainer.pad_to_multiple_of
+    spg = settings.steps_per_generation
+    pad_id, multiple = settings.pad_token_id, settings.pad_to_multiple_of
     rows = expand_per_turn(episodes, pad_id, multiple)
-    counts = _row_counts(trainer, rows)
-    reason = per_turn_changes(trainer, sum(counts))
+    counts = _row_counts(accelerator, rows)
+    reason = per_turn_changes(settings, sum(counts))
     if balance and reason:
         warn_once("balance_exact_per_turn", "dta_balance: ranks keep their turn rows, because exchanging rows between "
                   f"them would change the updates here: {reason}.")
     elif balance:
-        rows = balance_turn_rows(trainer, episodes, rows, cost_model)
-        counts = _row_counts(trainer, rows)
+        rows = balance_turn_rows(accelerator, settings, episodes, rows, cost_model, metrics)
+        counts = _row_counts(accelerator, rows)
     rows = shuffle_sequence_dict(rows)
     every = split_sizes_across(counts, spg)  # (processes, spg)
     pad_to = [max(*column, 1) for column in zip(*every)]
     real = [sum(column) for column in zip(*every)]
-    trainer._metrics["train"]["dta/padding_rows"].append(float(sum(pad_to) * len(every) - sum(real)))
+    metrics["dta/padding_rows"].append(float(sum(pad_to) * len(every) - sum(real)))
     if reason and len(set(counts)) > 1:
         warn_once(
             "per_turn_unequal",
@@ -299,7 +336,8 @@ def per_turn_buffer(trainer, episodes: dict, balance: bool, cost_model: CostMode
         )
     chunks = split_rows(rows, spg, multiple, sizes=every[accelerator.process_index], pad_to=pad_to,
                         pad_token_id=pad_id)
-    for chunk, weight, padded, total in zip(chunks, row_weights(trainer, real, pad_to), pad_to, real):
+    weights = row_weights(settings, accelerator.num_processes, real, pad_to)
+    for chunk, weight, padded, total in zip(chunks, weights, pad_to, real):
         if weight != 1.0:
             chunk[ROW_WEIGHT_KEY] = weight
         if padded * len(every) != total:
@@ -307,17 +345,17 @@ def per_turn_buffer(trainer, episodes: dict, balance: bool, cost_model: CostMode
     return chunks
 
 
-def per_turn_eval_rows(trainer, episodes: dict) -> dict:
+def per_turn_eval_rows(accelerator, settings: RowSettings, episodes: dict) -> dict:
     """The turn rows of an evaluation batch, padded to the largest rank's count (TRL's metric gathers need it), with
     their [`row_weights`] factor."""
-    pad_id, multiple = trainer._tokenizer.pad_token_id or 0, trainer.pad_to_multiple_of
+    pad_id, multiple = settings.pad_token_id, settings.pad_to_multiple_of
     rows = expand_per_turn(episodes, pad_id, multiple)
-    counts = _row_counts(trainer, rows)
+    counts = _row_counts(accelerator, rows)
     most = max(*counts, 1)
     if most > num_rows(rows):
         token = int(rows["prompt_ids"][0][rows["prompt_mask"][0].bool()][0]) if num_rows(rows) else pad_id
         rows = pad_rows(rows, most - num_rows(rows), token, pad_id)
-    (weight,) = row_weights(trainer, [sum(counts)], [most])
+    (weight,) = row_weights(settings, accelerator.num_processes, [sum(counts)], [most])
     if weight != 1.0:
         rows[ROW_WEIGHT_KEY] = weight
     if most * len(counts) != sum(counts):
@@ -334,7 +372,7 @@ _ALWAYS_PER_SEQUENCE_METRICS = {"vespo/phi_seq_mean": 1.0}
 
 
 @contextlib.contextmanager
-def unpadded_metrics(trainer, inputs: dict):
+def unpadded_metrics(metrics: dict[str, list], importance_sampling_level: str, inputs: dict):
     """Around TRL's `_compute_loss` on a padded per-turn micro-batch: the per-sequence means it logs are corrected to
     the real rows, `(mean * total - padding * padding_value) / real`, from the micro-batch's `ROW_COUNTS_KEY`.
 
@@ -346,9 +384,8 @@ def unpadded_metrics(trainer, inputs: dict):
         yield
         return
     real, total = counts
-    metrics = trainer._metrics["train" if trainer.model.training else "eval"]
     fixes = dict(_ALWAYS_PER_SEQUENCE_METRICS)
-    if getattr(trainer, "importance_sampling_level", "token") == "sequence":
+    if importance_sampling_level == "sequence":
         fixes.update(_PER_SEQUENCE_METRICS)
     before = {key: len(metrics.get(key, ())) for key in fixes}
     yield

@@ -16,7 +16,7 @@ from accelerate.utils import is_peft_model
 from .._checks import dropout_blockers
 from ..engine.router_loss import router_loss_blocker
 from ..models import refusal_subject, refusal_tail
-from ..refusal import TRAINER_CONFIG, Blocker, DTAUnsupportedError, refuse
+from ..refusal import DENSE_FALLBACK, TRAINER_CONFIG, Blocker, DTAUnsupportedError, refuse
 
 _DISABLE_DROPOUT = Blocker("", settings={"disable_dropout": True}, where=TRAINER_CONFIG)
 _VISION = Blocker("it is a vision-language model: DTA supports text-only models, and vision-language inputs need TRL's "
@@ -54,3 +54,17 @@ def check_policy(model, *, is_vlm: bool, aux_loss_enabled: bool, build_engine: C
         blockers.append(_PROMPT_LEARNING)
     blockers += dropout_blockers(model, _DISABLE_DROPOUT, training_only=False)
     refuse(refusal_subject(lm), blockers, refusal_tail())
+
+
+def check_schedule(engine, lockstep: bool) -> None:
+    """Refuse FSDP2's per-layer schedule (`lockstep`) for a hybrid model's engine, at construction rather than at the
+    first engine call (`DTAEngine` refuses a lockstep call on recurrent layers).
+
+    A `ValueError` of its own, not a [`DTAUnsupportedError`]: the model runs, this distributed setting does not.
+    """
+    if lockstep and engine.layout.hybrid:
+        raise ValueError(
+            "dta_fsdp_schedule='layer' runs packed subtree rows in lockstep across the ranks, which the recurrent "
+            "layers of this hybrid model cannot run exactly (a recurrence cannot follow a tree mask). Use "
+            f"dta_fsdp_schedule='window' (the default), {DENSE_FALLBACK}"
+        )
