@@ -13,7 +13,9 @@ window's gradient:
 - At the window's first micro-step DeepSpeed's gradient hooks are detached and accelerate's
   `DeepSpeedEngineWrapper.backward` is replaced for the window: every backward of the window (the engine's, and the
   HF Trainer's backward of each micro-step's loss: DTA's value-only loss, or a dense-path micro-step's real one)
-  accumulates plainly into the parameters' `.grad`, no DeepSpeed involved.
+  accumulates plainly into the parameters' `.grad`, no DeepSpeed involved. (A replaced method rather than an
+  explicit call: the HF Trainer's `training_step` calls `accelerator.backward` itself at every micro-step, dense-path
+  ones included; an explicit call would mean copying that `training_step` into the mixin.)
 - At the last micro-step, the accumulated gradients are taken off the parameters (zeros for a trainable parameter
   without one, so every rank reduces the same buckets), the hooks re-attached, and `engine.backward` runs on a scalar
   whose backward hands each parameter its accumulated gradient (`_WindowGradient`): DeepSpeed's own path (its bucketed

@@ -38,7 +38,6 @@ from trl.trainer.utils import (
     unsplit_pixel_values_by_grid,
 )
 
-from .. import _checks
 from ..balance import CostModel, forest_stats
 from ..batch import Layout, group_ids, num_rows
 from ..engine import DTAEngine
@@ -53,7 +52,7 @@ from .micro_batches import (
     per_turn_buffer,
     per_turn_eval_rows,
     refit_cost_model,
-    regrouping_changes,
+    regrouping_exact,
     split_by_groups,
     unpadded_metrics,
 )
@@ -122,14 +121,7 @@ class DTATrainerMixin:
             check_schedule(self._dta_engine(model), self._dta_parallel.lockstep)
         self._dta_cost_model = CostModel(hidden_size=model.config.get_text_config().hidden_size)
         if self._dta.dta_group_shuffle:
-            reason = regrouping_changes(self._dta_rows(), across_ranks=False)
-            if reason:
-                _checks.warn_once(
-                    "group_shuffle",
-                    f"dta_group_shuffle=True changes the updates relative to TRL's trainer here: {reason}. Set "
-                    "`dta_group_shuffle=False` (the default) for TRL's updates; DTA still shares prefixes across an "
-                    "optimizer step's micro-batches.",
-                )
+            regrouping_exact(self._dta_rows(), across_ranks=False)  # warns when it is not
 
     def _dta_engine(self, model) -> DTAEngine:
         """The engine of an unwrapped model (policy, PEFT policy or reference), built on first use."""
@@ -157,6 +149,14 @@ class DTATrainerMixin:
             pad_to_multiple_of=self.pad_to_multiple_of,
         )
 
+    def _dta_entropy_coef(self) -> float:
+        """The entropy bonus's coefficient in this window (GRPO: TRL's adaptive mode gates it on the last measured
+        entropy); 0 without one."""
+        if not getattr(self, "_entropy_bonus_enabled", False):
+            return 0.0
+        gated = self.use_adaptive_entropy and not self._last_world_entropy <= self.args.entropy_target
+        return 0.0 if gated else self.entropy_coef
+
     def _dta_mode_metrics(self) -> dict[str, list]:
         return self._metrics["train" if self.model.training else "eval"]
 
@@ -164,16 +164,8 @@ class DTATrainerMixin:
 
     def _dta_balances(self) -> bool:
         """Whether `dta_balance` applies: several processes, and exchanging rows leaves the updates TRL's."""
-        if not (self._dta.dta_balance and self.accelerator.num_processes > 1):
-            return False
-        reason = regrouping_changes(self._dta_rows(), across_ranks=True)
-        if reason:
-            _checks.warn_once(
-                "balance_exact",
-                f"dta_balance: ranks keep TRL's rows, because exchanging rows between them would change the updates "
-                f"here: {reason}.",
-            )
-        return reason is None
+        return (self._dta.dta_balance and self.accelerator.num_processes > 1
+                and regrouping_exact(self._dta_rows(), across_ranks=True))
 
     def _prepare_inputs(self, generation_batch):
         if self._dta.dta_sample_layout == "per_turn":
@@ -347,7 +339,8 @@ class DTATrainerMixin:
         not a sum over sequences."""
         if type(self)._compute_loss is not self._dta_trl_class._compute_loss:
             return None  # a subclass's own objective: only the two-pass path is exact for any function of logps
-        return self._dta_loss_class(self, inputs, scale * inputs.get(ROW_WEIGHT_KEY, 1.0))
+        return self._dta_loss_class(self, inputs, scale * inputs.get(ROW_WEIGHT_KEY, 1.0),
+                                    entropy_coef=self._dta_entropy_coef())
 
     def _dta_loss_scale(self, num_items_in_batch) -> float:
         """The factor the HF `Trainer.training_step` applies to `compute_loss`'s result before `backward`."""

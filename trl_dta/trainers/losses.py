@@ -42,9 +42,12 @@ class GRPOSequenceLoss:
             `ref_per_token_logps`, `importance_sampling_ratio` `(B, T)` or `(B, 1)`, `sampling_per_token_logps`.
         scale (`float`): factor applied to every term on top of TRL's normalisation (the gradient-accumulation scaling
             the HF `Trainer` applies to the returned loss, 1.0 for GRPO).
+        entropy_coef (`float`, *optional*, defaults to `0.0`): the entropy bonus's coefficient TRL applies in this
+            accumulation window (`DTATrainerMixin._dta_entropy_coef`: adaptive mode gates it on the last measured
+            entropy); 0 without the bonus.
     """
 
-    def __init__(self, trainer, inputs: dict, scale: float):
+    def __init__(self, trainer, inputs: dict, scale: float, entropy_coef: float = 0.0):
         t, args = trainer, trainer.args
         completion_mask = inputs["completion_mask"]
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
@@ -86,13 +89,8 @@ class GRPOSequenceLoss:
             raise ValueError(f"Unknown loss type: {self.loss_type}")
         self.row_scale = scale / divisor
 
-        # Entropy bonus: `- coef * (entropies * mask).sum() / mask.sum().clamp(min=1) / accumulation`, with the
-        # coefficient TRL applies in this accumulation window (adaptive mode gates it on the last measured entropy).
-        coef = 0.0
-        if t._entropy_bonus_enabled:
-            coef = t.entropy_coef
-            if t.use_adaptive_entropy and not t._last_world_entropy <= args.entropy_target:
-                coef = 0.0
+        # Entropy bonus: `- coef * (entropies * mask).sum() / mask.sum().clamp(min=1) / accumulation`.
+        coef = entropy_coef
         self.needs_entropy_grad = coef != 0.0
         self.entropy_scale = scale * coef / (self.mask.sum().clamp(min=1.0) * accumulation)
 
@@ -190,9 +188,12 @@ class RLOOSequenceLoss:
         trainer ([`~trl.RLOOTrainer`]): the trainer (clipping range).
         inputs (`dict`): the micro-batch: `completion_mask` `(B, T)`, `old_logps` `(B,)`, `advantages` `(B,)`.
         scale (`float`): factor applied to every term (the HF `Trainer`'s `1 / gradient_accumulation_steps`).
+        entropy_coef (`float`, *optional*, defaults to `0.0`): RLOO has no entropy bonus; must be 0.
     """
 
-    def __init__(self, trainer, inputs: dict, scale: float):
+    def __init__(self, trainer, inputs: dict, scale: float, entropy_coef: float = 0.0):
+        if entropy_coef:
+            raise ValueError(f"RLOO's loss has no entropy bonus, got entropy_coef={entropy_coef}.")
         self.epsilon_low, self.epsilon_high = trainer.epsilon_low, trainer.epsilon_high
         self.completion_mask = inputs["completion_mask"].float()
         self.old_logps = inputs["old_logps"]

@@ -119,6 +119,20 @@ def regrouping_changes(settings: RowSettings, across_ranks: bool) -> str | None:
     return "; ".join(reasons) or None
 
 
+def regrouping_exact(settings: RowSettings, across_ranks: bool) -> bool:
+    """Whether moving rows leaves TRL's updates ([`regrouping_changes`]); when it does not, a one-time warning says
+    why: `dta_balance` (`across_ranks`) then keeps TRL's rows, `dta_group_shuffle` goes on as the user asked."""
+    reason = regrouping_changes(settings, across_ranks)
+    if reason and across_ranks:
+        warn_once("balance_exact", "dta_balance: ranks keep TRL's rows, because exchanging rows between them would "
+                  f"change the updates here: {reason}.")
+    elif reason:
+        warn_once("group_shuffle", f"dta_group_shuffle=True changes the updates relative to TRL's trainer here: "
+                  f"{reason}. Set `dta_group_shuffle=False` (the default) for TRL's updates; DTA still shares prefixes "
+                  "across an optimizer step's micro-batches.")
+    return reason is None
+
+
 def refit_cost_model(cost_model: CostModel, samples: list[tuple[float, float, float, float]]) -> CostModel:
     """The balancer's cost model refitted to the engine times `samples` of all ranks (identically on every rank), or
     `cost_model` while fewer than 8 samples exist (`dta_cost_model="fit"`)."""
