@@ -68,9 +68,9 @@ class EngineCalls:
         self._cls, self._original = DTAEngine, DTAEngine._call
         calls, original = self.calls, self._original
 
-        def _call(engine, seqs, loss_fn, *args, **kwargs):
-            out = original(engine, seqs, loss_fn, *args, **kwargs)
-            calls.append({"train": loss_fn is not None, "lockstep": kwargs.get("lockstep") is not None,
+        def _call(engine, seqs, **kwargs):
+            out = original(engine, seqs, **kwargs)
+            calls.append({"train": kwargs["loss_fn"] is not None, "lockstep": kwargs.get("lockstep") is not None,
                           **{k: v for k, v in out.stats.items() if k != "seconds"}})
             return out
 

@@ -191,7 +191,8 @@ class DTAEngine:
             [`DTAOutput`] with `logps[i][t - 1] = log p(s_i[t] | s_i[:t])` for `t = 1 .. len_i - 1` (only the last
             `n_scored[i]` of them when given).
         """
-        return self._call(seqs, None, temperature, entropy, n_scored, _router_request(router_loss),
+        return self._call(seqs, loss_fn=None, temperature=temperature, entropy=entropy, n_scored=n_scored,
+                          router_loss=_router_request(router_loss),
                           lockstep=self.lockstep if lockstep is None else lockstep)
 
     def forward_backward(self, seqs: Iterable | PrefixTree, loss_fn: LossFn, *, temperature: float = 1.0,
@@ -224,13 +225,14 @@ class DTAEngine:
             raise TypeError(
                 f"`loss_fn` must be a callable (i, logps_i, entropy_i) -> scalar tensor, got {type(loss_fn).__name__}."
             )
-        return self._call(seqs, loss_fn, temperature, entropy, n_scored, _router_request(router_loss),
+        return self._call(seqs, loss_fn=loss_fn, temperature=temperature, entropy=entropy, n_scored=n_scored,
+                          router_loss=_router_request(router_loss),
                           lockstep=self.lockstep if lockstep is None else lockstep)
 
     # ------------------------------------------------------------------ one call
 
-    def _call(self, seqs, loss_fn: LossFn | None, temperature, entropy, n_scored, router_loss=None, *,
-              lockstep: Lockstep | None = None) -> DTAOutput:
+    def _call(self, seqs, *, loss_fn: LossFn | None, temperature: float, entropy: bool, n_scored,
+              router_loss: routers.LoadBalancing | None, lockstep: Lockstep | None) -> DTAOutput:
         t0 = time.perf_counter()
         temperature = _checks.check_float("temperature", temperature, minimum=0.0, exclusive=True)
         entropy = _checks.check_bool("entropy", entropy)
@@ -245,7 +247,9 @@ class DTAEngine:
             _checks.check_no_dropout(lm, refusal_subject(lm), _DROPOUT_FIX)
         # Hybrid models: no packed subtree rows (a recurrence cannot follow a tree mask); leaves still run batched.
         pack = 0 if self.layout.hybrid else self.max_pack_tokens
-        budgets = Budgets(self.block_size, self.max_batch_tokens, self.max_graph_tokens, pack, self.lm_head_chunk_size)
+        budgets = Budgets(block_size=self.block_size, max_batch_tokens=self.max_batch_tokens,
+                          max_graph_tokens=self.max_graph_tokens, max_pack_tokens=pack,
+                          lm_head_chunk_size=self.lm_head_chunk_size)
         spec = None
         if router_loss is not None:
             spec = routers.router_spec(lm)
