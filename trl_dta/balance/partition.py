@@ -31,8 +31,6 @@ from .contiguous import contiguous_parts, equal_runs
 from .cost import CostModel, ForestStats, SortedBatch, as_tree
 from .packing import group_packing, subtree_packings
 
-STRATEGIES = ("best", "contiguous", "packed")
-
 
 @dataclass
 class Partition:
@@ -233,24 +231,38 @@ def partition(
         return summarize(batch, [[] for _ in range(k)], model)
 
     if equal_count:
-        runs = equal_runs(batch, k)
-        if labels is None:
-            candidates = [runs]
-        else:
-            candidates = [group_packing(batch, k, model, labels, capacity=n // k // group_size)]
-            if _keeps_groups(runs, labels):
-                candidates.append(runs)
+        candidates = _equal_count_candidates(batch, k, model, labels, group_size)
         slack = 0.0
     else:
-        candidates = []
-        if strategy in ("best", "contiguous"):
-            candidates.append(contiguous_parts(batch, k, model, labels, slack))
-        if strategy in ("best", "packed"):
-            if labels is not None:
-                candidates.append(group_packing(batch, k, model, labels))
-            else:
-                candidates.extend(subtree_packings(batch, k, model))
+        candidates = [parts for run in _STRATEGIES[strategy] for parts in run(batch, k, model, labels, slack)]
     return _pick([summarize(batch, parts, model) for parts in candidates], slack)
+
+
+def _contiguous(batch: SortedBatch, k: int, model: CostModel, labels: np.ndarray | None, slack: float):
+    """`"contiguous"`: the one min-max contiguous cut with the least duplication within `(1 + slack)`."""
+    return [contiguous_parts(batch, k, model, labels, slack)]
+
+
+def _packed(batch: SortedBatch, k: int, model: CostModel, labels: np.ndarray | None, slack: float):
+    """`"packed"`: whole groups packed (with labels), else the subtree packings."""
+    return [group_packing(batch, k, model, labels)] if labels is not None else subtree_packings(batch, k, model)
+
+
+# Each strategy name -> the functions whose candidate parts the planner compares (`"best"`: all of them).
+_STRATEGIES = {"best": (_contiguous, _packed), "contiguous": (_contiguous,), "packed": (_packed,)}
+STRATEGIES = tuple(_STRATEGIES)
+
+
+def _equal_count_candidates(
+    batch: SortedBatch, k: int, model: CostModel, labels: np.ndarray | None, group_size: int
+) -> list[list[list[int]]]:
+    """`n / k` sequences per part: the equal runs of the sorted batch; with labels, whole groups packed
+    `n / (k G)` per part, and the runs as well when they split no group."""
+    runs = equal_runs(batch, k)
+    if labels is None:
+        return [runs]
+    packed = group_packing(batch, k, model, labels, capacity=batch.n // k // group_size)
+    return [packed, runs] if _keeps_groups(runs, labels) else [packed]
 
 
 def _check_equal_count(n: int, k: int, labels: np.ndarray | None) -> int:
