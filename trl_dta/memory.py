@@ -20,7 +20,7 @@ backends hold the path once. Parameters, gradients, optimizer state and allocato
 Hybrid models (`ModelShape.recurrent_layers > 0`): keys/values only for the attention layers; the recurrent layers
 hold per frame of the path (a segment or block) their states after it, a size independent of its length
 ([`state_bytes_per_frame`]), and the replay follows the hybrid schedule (no packed subtree rows, one-token internal
-segments unshared, `engine/core.py`).
+segments unshared, `engine/core.py`; one-token forwards after a path padded to two, `engine/ops.py`).
 """
 
 from __future__ import annotations
