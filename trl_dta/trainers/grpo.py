@@ -80,8 +80,11 @@ class DTAGRPOTrainer(DTATrainerMixin, GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         """TRL's, with the advantages of `dta_tree_advantage` (other than `"group"`) after TRL's scoring."""
-        output = super()._generate_and_score_completions(inputs)
-        return output if self._dta_trees is None else self._dta_trees.score(self, output)
+        if self._dta_trees is None:
+            return super()._generate_and_score_completions(inputs)
+        with self._dta_trees.generation() as generation:  # filled by `_generate_single_turn`, `_calculate_rewards`
+            output = super()._generate_and_score_completions(inputs)
+        return self._dta_trees.score(self, output, generation)
 
     def _dta_sequence_loss(self, inputs: dict, scale: float):
         if self.top_entropy_quantile < 1.0:

@@ -1,4 +1,4 @@
-"""Tree sampling (`trl_dta/trainers/tree_sampling.py`): each leaf's distribution and the joint law of siblings against
+"""Tree sampling (`trl_dta/generation/tree_sampling.py`): each leaf's distribution and the joint law of siblings against
 the exact distribution (enumeration), `min_new_tokens` across branch points, top-p and min-p, fault injections the
 tests must reject, the key/value cache reuse, the tree invariants, and the generation config `generate` really uses."""
 
@@ -20,15 +20,14 @@ from transformers.generation import (
 
 from tests.conftest import use_input_dtype_norms
 from tests.generation.stats import chi_square_p
-from trl_dta.trainers import tree_sampling
-from trl_dta.trainers.tree_sampling import (
+from tests.trainers.conftest import EOS, PAD, build_model
+from trl_dta.generation import tree_sampling
+from trl_dta.generation.tree_sampling import (
     check_generation_config,
     effective_generation_config,
     level_generation_config,
     sample_trees,
 )
-
-from .conftest import EOS, PAD, build_model
 
 VOCAB = 10  # a model over 10 tokens: every outcome of a short completion can be enumerated
 ALPHA = 1e-3  # significance level of the chi-square tests
