@@ -63,10 +63,7 @@ class TreeRollouts:
 
     def __init__(self, sampler: TreeSampler, advantage: str):
         self.sampler = sampler
-        self.branching = list(sampler.branching)
-        self.segment_length = sampler.segment_length
         self.advantage = advantage
-        self.num_leaves = sampler.num_leaves
         self._open: TreeGeneration | None = None  # the generation being scored ([`generation`])
 
     @classmethod
@@ -108,7 +105,7 @@ class TreeRollouts:
     def applies(self, num_generations: int) -> bool:
         """Whether a generation of `num_generations` rows per prompt is sampled as trees (evaluation with another
         `num_generations_eval` samples independently, as TRL does)."""
-        return num_generations == self.num_leaves
+        return num_generations == self.sampler.num_leaves
 
     @contextlib.contextmanager
     def generation(self) -> Iterator[TreeGeneration]:
