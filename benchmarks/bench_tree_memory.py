@@ -6,7 +6,7 @@ every completion reaches `R` tokens and every tree level is sampled):
 
 - `independent`: TRL's generation, `model.generate` on `G` copies of the prompt (a `DynamicCache` of `G` rows of
   `P + R` keys/values);
-- `tree`: `dta_tree_branching` (`trl_dta.trainers.tree_sampling.sample_trees`), whose generation cache
+- `tree`: `dta_tree_branching` (`trl_dta.generation.tree_sampling.sample_trees`), whose generation cache
   (`trl_dta.generation.PrefixCache`) holds the prompt once as a node the children continue, each branched segment
   once, and the rows' own tokens in a buffer.
 
@@ -75,7 +75,7 @@ def independent(model, prompt: list[int], group: int, completion_len: int, confi
 
 def tree(model, prompt: list[int], branching: list[int], completion_len: int, config) -> tuple[int, int]:
     """Tree rollouts of the prompt: (peak key/value bytes, forwarded token positions)."""
-    from trl_dta.trainers.tree_sampling import sample_trees
+    from trl_dta.generation.tree_sampling import sample_trees
 
     segment = completion_len // len(branching)
     _, stats = sample_trees(model, [prompt], branching, segment, completion_len, config, [2], 0)

@@ -27,7 +27,6 @@ Writes `benchmarks/results/tree-rollouts[-quick].csv`, `.png` (generation and tr
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import os
 import tempfile
@@ -148,27 +147,20 @@ def fill_ratios(rows: list[dict]) -> list[dict]:
 
 
 def write(rows: list[dict], stem: str) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{stem}.csv"
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows({k: _fmt(r.get(k)) for k in COLUMNS} for r in rows)
-    table = ["| " + " | ".join(COLUMNS[:3] + COLUMNS[9:12] + COLUMNS[13:]) + " |"]
-    table.append("|" + "---|" * (len(table[0].split("|")) - 2))
-    for r in rows:
-        table.append("| " + " | ".join(_fmt(r.get(k), 3) for k in COLUMNS[:3] + COLUMNS[9:12] + COLUMNS[13:]) + " |")
+    path = common.write_csv(rows, RESULTS / f"{stem}.csv", COLUMNS)
+    shown = COLUMNS[:3] + COLUMNS[9:12] + COLUMNS[13:]  # the markdown table: three significant digits
+    table = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
+    table += ["| " + " | ".join(_fmt(r.get(k)) for k in shown) + " |" for r in rows]
     (RESULTS / f"{stem}.md").write_text("\n".join(table) + "\n")
     plot(rows, RESULTS / f"{stem}.png")
     common.log(f"wrote {path} (+ .md, .png)")
 
 
-def _fmt(value, digits: int = 6) -> str:
-    if value is None:
+def _fmt(value) -> str:
+    """A markdown cell: floats to three significant digits, NaN and None empty."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
         return ""
-    if isinstance(value, float):
-        return "" if math.isnan(value) else f"{value:.{digits}g}"
-    return str(value)
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
 def plot(rows: list[dict], png: Path) -> None:

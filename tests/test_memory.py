@@ -108,7 +108,7 @@ def test_replayed_walk_matches_the_engine(budgets, hybrid):
     tokens, the same padded tokens (the engine's other forwards are the no-grad passes of the recomputed blocks), and
     with every graph kept the same number of forwards. A hybrid (Gated DeltaNet layers beside attention) replays the
     hybrid schedule: no packed rows, one-token internal segments unshared, no one-token block (a one-token forward
-    after a path is padded to two, which the estimate leaves out)."""
+    after a path is padded to two, which the estimate counts as the walk forwards it)."""
 
     config = Qwen2Config(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)

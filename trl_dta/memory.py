@@ -3,7 +3,8 @@
 DTA trades recomputation of shared prefixes for a stack: at any moment of the walk it holds the keys/values of one
 root-to-leaf path (`2 x layers x kv_heads x head_dim x bytes` per token: 147,456 bytes for Qwen3-8B in bf16), the
 activations of the path's kept segments, and the activations of one forward. Where that peaks depends on the walk, so
-the estimate replays the engine's own schedule (`engine/schedule.py`, the same budgets) and keeps the worst forward:
+the estimate consumes the op stream the engine's walk executes (`engine/ops.py`, the same budgets) and keeps the
+worst forward:
 
 ```
          root ── prompt (P tokens, kept) ──┬── leaf 1 ┐
@@ -19,7 +20,7 @@ backends hold the path once. Parameters, gradients, optimizer state and allocato
 Hybrid models (`ModelShape.recurrent_layers > 0`): keys/values only for the attention layers; the recurrent layers
 hold per frame of the path (a segment or block) their states after it, a size independent of its length
 ([`state_bytes_per_frame`]), and the replay follows the hybrid schedule (no packed subtree rows, one-token internal
-segments unshared, `engine/core.py`).
+segments unshared, `engine/core.py`; one-token forwards after a path padded to two, `engine/ops.py`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .engine.schedule import Budgets, block_bounds, graph_fits, schedule_children
+from .engine.ops import lockstep_batches, walk_ops
+from .engine.schedule import Budgets
 from .flops import ModelShape, _as_tree, get_model_shape
 
 __all__ = [
@@ -142,7 +144,8 @@ class MemoryEstimate:
         path_tokens (`int`): tokens of the path the peak forward runs under (its keys/values sit on the stack).
         graph_tokens (`int`): tokens of the path whose autograd graph is kept at that point.
         rows (`int`): rows of the peak forward (a batch of siblings, or one segment or block).
-        row_tokens (`int`): padded tokens of the peak forward (`rows x` its longest row).
+        row_tokens (`int`): padded tokens of the peak forward (`rows x` its longest row; a hybrid's one-token rows
+            after a path are padded to two, as the walk forwards them).
         path_kv (`int`): the stack's keys/values of the path and their gradient buffers (gradient sinks, float32
             for half precision), held once whatever the backend; for a hybrid model also the recurrent states of the
             path's frames and their gradient buffers (`2 x frames x state_bytes_per_frame`).
@@ -178,11 +181,13 @@ def peak_memory(
     max_graph_tokens: int | None = None,
     max_pack_tokens: int = 1024,
     block_size: int = 1024,
+    lockstep: int | None = None,
 ) -> MemoryEstimate:
     """Estimated peak memory of a DTA training step on a batch, per attention backend.
 
-    The walk of [`~trl_dta.DTAEngine`] is replayed with the engine's own schedule (`engine/schedule.py`, the same
-    budgets): at every forward with grad (a batch of sibling rows, a kept segment, a recomputed block) the memory is
+    The walk of [`~trl_dta.DTAEngine`] is replayed from the op stream it executes (`engine/ops.py`, the same
+    budgets; in lockstep, FSDP2's per-layer schedule, its packed root subtrees and idle batches): at every forward
+    with grad (a batch of sibling rows, a kept segment, a recomputed block) the memory is
 
     ```
     path_kv            2 x path_tokens x kv_bytes_per_token(sink dtype)     keys/values on the stack + their gradients
@@ -221,6 +226,9 @@ def peak_memory(
         dtype (`str`, *optional*, defaults to `"bf16"`): compute dtype, one of `DTYPE_BYTES`.
         max_batch_tokens, max_graph_tokens, max_pack_tokens, block_size: the engine's budgets (see
             [`~trl_dta.DTAEngine`]).
+        lockstep (`int`, *optional*): the walk in lockstep (`DTAEngine.lockstep`, FSDP2's `"layer"` schedule): the
+            number of row batches the processes agreed on (their largest count, at least this batch's own,
+            `engine.ops.lockstep_batches`); the batches beyond this batch's are idle. Refused for a hybrid model.
 
     Returns:
         [`MemoryEstimate`]: the breakdown at the peak (all zeros for an empty batch).
@@ -248,40 +256,26 @@ def peak_memory(
     tree = _as_tree(tree_or_seqs)
     if hybrid:
         tree = tree.unshared(min_length=2)
-    for forward in _grad_forwards(tree, budgets, min_block=2 if hybrid else 1):
+    if lockstep is not None:
+        if hybrid:
+            raise ValueError("peak_memory: `lockstep` with a hybrid model (recurrent layers), which the engine refuses "
+                             "to run in lockstep; leave `lockstep=None`.")
+        own = len(lockstep_batches(tree, budgets, train=True))
+        if isinstance(lockstep, bool) or not isinstance(lockstep, int) or lockstep < own:
+            raise ValueError(f"peak_memory: `lockstep` is the number of row batches the processes agreed on, at least "
+                             f"this batch's own {own} (`engine.ops.lockstep_batches`), got {lockstep!r}.")
+    for forward in _grad_forwards(tree, budgets, min_block=2 if hybrid else 1, lockstep=lockstep):
         candidate = estimate(*forward)
         if candidate.total > best.total:
             best = candidate
     return best
 
 
-def _grad_forwards(tree, budgets, min_block: int = 1):
+def _grad_forwards(tree, budgets, min_block: int = 1, lockstep: int | None = None):
     """Yield `(path_tokens, graph_tokens, rows, row_tokens, frames)` for every forward with grad of the engine's
-    training walk (the same decisions as `engine/walk.py`: rows batches, kept segments, blocks re-forwarded at pop;
-    `frames`: the stack's frames under the forward)."""
-    subtree_tokens = tree.subtree_tokens()
-    has_children = [bool(seg.children) for seg in tree.segments]
-
-    def blocks(path: int, graph: int, length: int, frames: int):
-        # re-forwarded with grad at pop, each after the earlier blocks' keys
-        for k, (lo, hi) in enumerate(block_bounds(length, budgets.block_size, min_block)):
-            yield path + lo, graph, 1, hi - lo, frames + k
-
-    def children(kids: list[int], path: int, graph: int, frames: int):
-        plan = schedule_children(kids, has_children, subtree_tokens, budgets, train=True, live=graph)
-        for kind, batch in plan.steps:
-            if kind == "rows":  # sorted by size: the last row is the longest
-                yield path, graph, len(batch), len(batch) * subtree_tokens[batch[-1]], frames
-            else:
-                yield from blocks(path, graph, tree.segments[batch[0]].length, frames)
-        for c in plan.walk:
-            length = tree.segments[c].length
-            if graph_fits(budgets, True, graph, length):
-                yield path, graph, 1, length, frames
-                yield from children(tree.segments[c].children, path + length, graph + length, frames + 1)
-            else:
-                n = len(block_bounds(length, budgets.block_size, min_block))
-                yield from children(tree.segments[c].children, path + length, graph, frames + n)
-                yield from blocks(path, graph, length, frames)
-
-    yield from children(tree.roots, 0, 0, 0)
+    training walk: the op stream the walk executes (`engine/ops.py`; `min_block=2`: a hybrid's; `lockstep`: the
+    agreed number of row batches), `frames` being the stack's frames under the forward."""
+    for op in walk_ops(tree, budgets, train=True, hybrid=min_block > 1, lockstep=lockstep):
+        for f in op.forwards:
+            if f.grad:
+                yield f.path_tokens, f.graph_tokens, f.rows, f.row_tokens, f.frames

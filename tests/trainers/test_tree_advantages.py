@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from trl_dta.generation.tree_sampling import RolloutTree
 from trl_dta.trainers.tree_advantages import ADVANTAGES, PER_TOKEN, segment_advantages, tree_advantages
-from trl_dta.trainers.tree_sampling import RolloutTree
 
 # branching [2, 2], segments of 2 tokens; the second first-level node ended (its two rows are copies).
 TREE = RolloutTree(leaves=[[3, 4, 5], [3, 4, 6, 7], [8, 2], [8, 2]], nodes=[[0, 1], [0, 2], [3], [3]], starts=[0, 2])

@@ -1,6 +1,7 @@
 """Tree rollouts in the trainer (`trl_dta/trainers/tree_rollouts.py`): DTA against the dense path on the same trees
 for every advantage mode, TRL's trainer on the same leaves, the metrics, unscorable rows, and the configurations
-refused at construction. The sampler itself: `test_tree_sampling.py`; the advantages: `test_tree_advantages.py`."""
+refused at construction. The sampler itself: `tests/generation/test_tree_sampling.py`; the advantages:
+`test_tree_advantages.py`."""
 
 from __future__ import annotations
 
@@ -119,10 +120,9 @@ def test_unscorable_rows_get_no_tree_advantage(model_dir, tokenizer, dataset, tm
         seen = []
         score = trainer._dta_trees.score
 
-        def recording(trainer_, output, score=score, seen=seen):
-            trees, scorable, trl = trainer_._dta_trees.last_trees, trainer_._dta_trees.last_scorable, \
-                output["advantages"].clone()
-            out = score(trainer_, output)
+        def recording(trainer_, output, generation, score=score, seen=seen):
+            trees, scorable, trl = generation.trees, generation.scorable, output["advantages"].clone()
+            out = score(trainer_, output, generation)
             seen.append((trees, scorable, trl, out["advantages"], out["completion_ids"]))
             return out
 

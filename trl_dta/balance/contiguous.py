@@ -18,6 +18,10 @@ Two passes over the allowed cut positions (every position, or only those between
 The duplicated work of any split into `k` non-empty parts is at least that of the best contiguous cut for tree tokens
 (the parts' first occurrences in sorted order are `k - 1` cuts, and a subtree holding `c` of them meets at least
 `c + 1` parts), so the compression kept by the contiguous minimum-duplication cut bounds that of any method.
+
+The two strategies the planner (`partition.py`) calls, [`contiguous_parts`] and [`equal_runs`], take the sorted batch,
+`k`, the cost model and the labels as arguments and return parts (original indices per rank); this module imports only
+`cost.py`.
 """
 
 from __future__ import annotations

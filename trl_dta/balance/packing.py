@@ -15,7 +15,9 @@ forest as disjoint blocks of sorted positions and updates its statistics exactly
 placement and every local-search step is judged by its exact effect.
 
 Atoms are whole groups ([`group_atoms`]) or subtrees of the prefix tree split at their branch points until each costs
-at most a given limit ([`subtree_atoms`]).
+at most a given limit ([`subtree_atoms`]). The two strategies the planner (`partition.py`) calls, [`group_packing`] and
+[`subtree_packings`], take the sorted batch, `k`, the cost model and the labels as arguments and return parts
+(original indices per rank); this module imports only `cost.py`.
 """
 
 from __future__ import annotations
@@ -61,6 +63,39 @@ def subtree_atoms(batch: SortedBatch, model: CostModel, limit: float, k: int) ->
         runs.remove(big)
         runs.extend(split(*big))
     return [np.arange(l, r) for l, r in sorted(runs)]
+
+
+def group_packing(
+    batch: SortedBatch, k: int, model: CostModel, labels: np.ndarray, capacity: int | None = None
+) -> list[list[int]]:
+    """Whole groups packed onto `k` ranks ([`pack`] of [`group_atoms`]); returns original indices per rank.
+
+    Args:
+        batch (`SortedBatch`): the batch in sorted order.
+        k (`int`): number of ranks.
+        model (`CostModel`): the cost of a rank's forest.
+        labels (`np.ndarray` of shape `(n,)`): dense group labels `0..G-1` per sequence (original order).
+        capacity (`int`, *optional*): at most this many groups per rank (swaps only then).
+    """
+    return pack(batch, group_atoms(batch, labels), k, model, capacity=capacity)
+
+
+def subtree_packings(batch: SortedBatch, k: int, model: CostModel) -> list[list[list[int]]]:
+    """Subtrees packed onto `k` ranks, one candidate per distinct atom set: subtrees costing at most `1/g` of a rank's
+    share, for `g` in 1, 2 (finer atoms measured worse, as the packing then scatters siblings).
+
+    Returns a list of candidates, each the original indices per rank.
+    """
+    total = float(batch.run_cost(0, batch.n, model))
+    lcp = LcpTable(batch.lcp)
+    candidates, seen = [], set()
+    for g in (1, 2):
+        atoms = subtree_atoms(batch, model, total / (k * g), k)
+        key = tuple(int(a[0]) for a in atoms)
+        if key not in seen:
+            seen.add(key)
+            candidates.append(pack(batch, atoms, k, model, lcp=lcp))
+    return candidates
 
 
 class LcpTable:
@@ -153,17 +188,23 @@ def _blocks(positions: np.ndarray) -> list[tuple[int, int]]:
 
 
 def pack(
-    batch: SortedBatch, atoms: list[np.ndarray], k: int, model: CostModel, capacity: int | None = None
+    batch: SortedBatch,
+    atoms: list[np.ndarray],
+    k: int,
+    model: CostModel,
+    capacity: int | None = None,
+    lcp: LcpTable | None = None,
 ) -> list[list[int]]:
     """Pack atoms (arrays of sorted positions) onto `k` ranks; returns original sequence indices per rank.
 
     Largest atom first, each onto the rank whose exact forest cost after adding it is smallest (the first `k` atoms
     one per rank, so that no rank stays empty); then, while it lowers the most loaded rank, move an atom from it to
     another rank or swap one with another rank's. `capacity` limits the number of atoms per rank (swaps only then).
-    Costs are exact throughout ([`RankForest`] updates a rank's statistics in O(log n) per block).
+    Costs are exact throughout ([`RankForest`] updates a rank's statistics in O(log n) per block). `lcp`: the batch's
+    [`LcpTable`], when the caller packs the same batch more than once.
     """
     lengths = batch.lengths.tolist()
-    lcp = LcpTable(batch.lcp)
+    lcp = LcpTable(batch.lcp) if lcp is None else lcp
     block_cache: dict[tuple[int, int], list[int]] = {}
 
     def block_stats(l, r):

@@ -1,15 +1,22 @@
-"""The public entry points: [`partition`] (every strategy) and [`partition_for_ranks`] (the trainers' split).
+"""The planner: [`partition`] (every strategy) and [`partition_for_ranks`] (the trainers' split).
 
 ```
-seqs --> SortedBatch --> candidate parts --------------------------> Partition
-         (cost.py)       contiguous cuts           (contiguous.py)    the candidate with the least maximum cost
-                         packed atoms              (packing.py)       (within 1 + slack), then the least total
-                         equal count: the k equal runs of the sorted  cost
-                         batch, or whole groups packed n / (k G) per part
+validate (k, cost model, flags, strategy, slack; sequences; group ids; equal-count feasibility)
+   |
+SortedBatch (cost.py, built once)
+   |
+candidate parts, each from one self-contained strategy (arguments in, parts out; none calls back here):
+   contiguous cuts               contiguous.contiguous_parts     "contiguous", "best"
+   whole groups / subtrees       packing.group_packing,          "packed", "best"
+   packed by exact union cost    packing.subtree_packings
+   equal count                   contiguous.equal_runs, packing.group_packing with a capacity
+   |
+summarize each candidate (exact forest statistics and costs), pick: the least total cost among those whose maximum
+cost is within (1 + slack) of the smallest --> Partition
 ```
 
 Every argument is checked here, before any partitioning work, with `trl_dta._checks` (one rule per kind of value);
-the sequences are checked by `PrefixTree.from_sequences`.
+the sequences are checked by `PrefixTree.from_sequences`. The strategies import only `cost.py`.
 """
 
 from __future__ import annotations
@@ -22,9 +29,7 @@ import torch
 from .._checks import check_bool, check_choice, check_float, check_int, is_int
 from .contiguous import contiguous_parts, equal_runs
 from .cost import CostModel, ForestStats, SortedBatch, as_tree
-from .packing import group_atoms, pack, subtree_atoms
-
-STRATEGIES = ("best", "contiguous", "packed")
+from .packing import group_packing, subtree_packings
 
 
 @dataclass
@@ -133,6 +138,8 @@ def check_group_ids(group_ids, n: int, name: str = "group_ids") -> np.ndarray | 
             f"`{name}` must give one group id per sequence: got {len(group_ids)} ids for {n} sequences"
         )
     index: dict = {}
+    if all(type(g) is int for g in group_ids):  # the usual case (tensors' `tolist()`): nothing to check one by one
+        return np.array([index.setdefault(g, len(index)) for g in group_ids], dtype=np.int64)
     return np.array([index.setdefault(_group_label(g, f"{name}[{i}]"), len(index))
                      for i, g in enumerate(group_ids)], dtype=np.int64)
 
@@ -213,57 +220,81 @@ def partition(
     equal_count = check_bool("equal_count", equal_count)
     strategy = check_choice("strategy", strategy, STRATEGIES)
     slack = check_float("slack", slack, minimum=0.0, hint="the accepted excess of the maximum cost, e.g. 0.05")
-    batch = SortedBatch(as_tree(seqs_or_tree))
-    labels = check_group_ids(group_ids, batch.n)
+    tree = as_tree(seqs_or_tree)
+    n = len(tree.order)
+    labels = check_group_ids(group_ids, n)
     labels = labels if keep_groups else None
-    if batch.n == 0:
+    if n and equal_count:
+        group_size = _check_equal_count(n, k, labels)
+    batch = SortedBatch(tree)
+    if n == 0:
         return summarize(batch, [[] for _ in range(k)], model)
+
     if equal_count:
-        return _equal_count_partition(batch, k, model, labels)
-
-    candidates = []
-    if strategy in ("best", "contiguous"):
-        candidates.append(summarize(batch, contiguous_parts(batch, k, model, labels, slack), model))
-    if strategy in ("best", "packed"):
-        if labels is not None:
-            atom_sets = [group_atoms(batch, labels)]
-        else:
-            total = float(batch.run_cost(0, batch.n, model))
-            atom_sets = [subtree_atoms(batch, model, total / (k * g), k) for g in (1, 2)]
-        seen = set()
-        for atoms in atom_sets:
-            key = tuple(int(a[0]) for a in atoms)
-            if key not in seen:
-                seen.add(key)
-                candidates.append(summarize(batch, pack(batch, atoms, k, model), model))
-    return _pick(candidates, slack)
+        candidates = _equal_count_candidates(batch, k, model, labels, group_size)
+        slack = 0.0
+    else:
+        candidates = [parts for run in _STRATEGIES[strategy] for parts in run(batch, k, model, labels, slack)]
+    return _pick([summarize(batch, parts, model) for parts in candidates], slack)
 
 
-def _equal_count_partition(batch: SortedBatch, k: int, model: CostModel, labels: np.ndarray | None) -> Partition:
-    """`n / k` sequences per part: the equal runs of the sorted batch, or whole groups packed `n / (k G)` per part
-    (the runs are kept instead when they split no group and balance better)."""
-    n = batch.n
+def _contiguous(batch: SortedBatch, k: int, model: CostModel, labels: np.ndarray | None, slack: float):
+    """`"contiguous"`: the one min-max contiguous cut with the least duplication within `(1 + slack)`."""
+    return [contiguous_parts(batch, k, model, labels, slack)]
+
+
+def _packed(batch: SortedBatch, k: int, model: CostModel, labels: np.ndarray | None, slack: float):
+    """`"packed"`: whole groups packed (with labels), else the subtree packings."""
+    return [group_packing(batch, k, model, labels)] if labels is not None else subtree_packings(batch, k, model)
+
+
+# Each strategy name -> the functions whose candidate parts the planner compares (`"best"`: all of them).
+_STRATEGIES = {"best": (_contiguous, _packed), "contiguous": (_contiguous,), "packed": (_packed,)}
+STRATEGIES = tuple(_STRATEGIES)
+
+
+def _equal_count_candidates(
+    batch: SortedBatch, k: int, model: CostModel, labels: np.ndarray | None, group_size: int
+) -> list[list[list[int]]]:
+    """`n / k` sequences per part: the equal runs of the sorted batch; with labels, whole groups packed
+    `n / (k G)` per part, and the runs as well when they split no group."""
+    runs = equal_runs(batch, k)
+    if labels is None:
+        return [runs]
+    packed = group_packing(batch, k, model, labels, capacity=batch.n // k // group_size)
+    return [packed, runs] if _keeps_groups(runs, labels) else [packed]
+
+
+def _check_equal_count(n: int, k: int, labels: np.ndarray | None) -> int:
+    """The group size `G` that `equal_count=True` deals out `n / (k G)` per part (1 without groups); errors name the
+    fix."""
     if n % k:
         raise ValueError(
             f"`equal_count=True` needs the number of sequences ({n}) to be divisible by `k` ({k}); pad the batch or "
             "use `equal_count=False`"
         )
-    per_part = n // k
-    contiguous = summarize(batch, equal_runs(batch, k), model)
     if labels is None:
-        return contiguous
-    atoms = group_atoms(batch, labels)
-    sizes = sorted({len(a) for a in atoms})
-    if len(sizes) > 1 or per_part % sizes[0]:
+        return 1
+    sizes = sorted(set(np.bincount(labels).tolist()))
+    if len(sizes) > 1 or (n // k) % sizes[0]:
         raise ValueError(
             "`equal_count=True` with `group_ids` and `keep_groups=True` needs groups of one size G with n / k a "
-            f"multiple of G; got group sizes {sizes} and n / k = {per_part}. Pass `keep_groups=False` to allow "
+            f"multiple of G; got group sizes {sizes} and n / k = {n // k}. Pass `keep_groups=False` to allow "
             "splitting groups."
         )
-    packed = summarize(batch, pack(batch, atoms, k, model, capacity=per_part // sizes[0]), model)
-    run_of = np.repeat(np.arange(k), per_part)[batch.position]  # part of each sequence in the contiguous runs
-    splits_no_group = all(len(set(run_of[labels == g].tolist())) == 1 for g in np.unique(labels))
-    return _pick([packed, contiguous] if splits_no_group else [packed], 0.0)
+    return sizes[0]
+
+
+def _keeps_groups(parts: list[list[int]], labels: np.ndarray) -> bool:
+    """Whether every group of `labels` lies within one of `parts` (original indices)."""
+    part_of = np.empty(len(labels), dtype=np.int64)
+    for i, part in enumerate(parts):
+        part_of[part] = i
+    n_groups = int(labels.max()) + 1
+    lowest, highest = np.full(n_groups, len(parts), dtype=np.int64), np.full(n_groups, -1, dtype=np.int64)
+    np.minimum.at(lowest, labels, part_of)
+    np.maximum.at(highest, labels, part_of)
+    return bool((lowest == highest).all())
 
 
 def partition_for_ranks(seqs_or_tree, k: int, *, group_ids=None, cost_model: CostModel | None = None) -> Partition:

@@ -39,8 +39,8 @@ through a cache-shaped carrier; the schedule walks every internal segment (no pa
 never continues a path by a lone token.
 
 Modules: `core.py` (public class, argument checks, the model switch), `plan.py` (score plan), `schedule.py` (rows,
-blocks or walk), `rows.py` (packed rows and their masks), `walk.py` (execution), `router_loss.py` (the MoE
-load-balancing loss over the tree).
+blocks or walk), `ops.py` (the walk's op stream, which `memory.py` replays too), `rows.py` (packed rows and their
+masks), `walk.py` (execution of the op stream), `router_loss.py` (the MoE load-balancing loss over the tree).
 """
 
 from ..models import TESTED_MODEL_TYPES

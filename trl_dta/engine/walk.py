@@ -1,7 +1,8 @@
 """The depth-first walk of one engine call: push, visit, pop, gradient injection and recompute.
 
-The walk executes what the [`ScorePlan`] and the schedule (`schedule_children`) decide, over a model whose attention
-is already routed to DTA (the engine's job), and returns its results and counters in a [`WalkResult`].
+The walk executes the op stream of `ops.py` (`walk_ops`: what runs, in which order, kept or recomputed) and what the
+[`ScorePlan`] scores, over a model whose attention is already routed to DTA (the engine's job), and returns its
+results and counters in a [`WalkResult`]; it decides no order itself (`memory.py` replays the same stream).
 
 Gradient sinks: in training the keys/values pushed on the stack and a segment's scored log-probs/entropies are
 detached copies that require grad (`_grad_sink`); every descendant's backward accumulates into their `.grad`, and
@@ -17,12 +18,12 @@ scalar router term it returns joins the forward's own backward (the segment's `_
 Lockstep (`lockstep`, for a model sharded layer by layer across processes, `parallel/fsdp2.py`): every process must
 then make the same sequence of model forwards and backwards, whatever its tree, because each layer's forward and
 backward is a collective. The walk replaces its depth-first schedule by packed rows only: the roots' subtrees, each
-one row with its tree mask (`rows.py`), batched by size within the budgets (`row_batches`; a subtree larger than the
-budget is a batch of its own), one forward and, in training, one backward per batch that enters every layer through
-its output (a zero multiple of the last hidden state joins the loss). `lockstep(n)` returns the largest batch count of
-the processes; a process with fewer runs the difference as idle batches (one padding token, no loss). Every token
-is still forwarded and back-propagated once; what is given up is the two-part attention of siblings over a stored
-prefix: a row attends over its whole packed subtree.
+one row with its tree mask (`rows.py`), batched by size within the budgets (`ops.lockstep_batches`; a subtree larger
+than the budget is a batch of its own), one forward and, in training, one backward per batch that enters every layer
+through its output (a zero multiple of the last hidden state joins the loss). `lockstep(n)` returns the largest batch
+count of the processes; a process with fewer runs the difference as idle batches (one padding token, no loss). Every
+token is still forwarded and back-propagated once; what is given up is the two-part attention of siblings over a
+stored prefix: a row attends over its whole packed subtree.
 
 Hybrid models (`recurrent/`, a `layout` with recurrent layers): every forward passes a [`StateCarrier`] as the model's
 `cache=`, which hands the recurrent layers the path's states (the top frame's) and records their new ones; a frame
@@ -46,9 +47,10 @@ from ..lm_head import HeadSpec, head_logprobs
 from ..precision import Precision, acc_dtype, is_half
 from ..recurrent import LayerLayout, StateCarrier
 from ..tree import PrefixTree
+from .ops import Op, Pop, Push, Rows, lockstep_batches, walk_ops
 from .plan import BlockTargets, ScorePlan
 from .rows import pack_rows
-from .schedule import Budgets, block_bounds, graph_fits, row_batches, schedule_children
+from .schedule import Budgets
 
 LossFn = Callable[[int, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
@@ -140,19 +142,12 @@ class TreeWalk:
 
     def run(self) -> WalkResult:
         with torch.set_grad_enabled(self.train), self.precision.forward():
-            todo: list[tuple[str, int]] = [("children", -1)]  # the depth-first schedule, from the empty path
+            agreed = None
             if self.lockstep is not None:  # never for a hybrid (`DTAEngine` refuses it)
-                todo = []
-                self._run_lockstep()
-            while todo:
-                kind, s = todo.pop()
-                if kind == "enter":
-                    self._push(s)
-                elif kind == "exit":
-                    self._pop(s)
-                else:
-                    for c in reversed(self._run_children(s)):
-                        todo += [("exit", c), ("children", c), ("enter", c)]
+                agreed = int(self.lockstep(len(lockstep_batches(self.tree, self.budgets, train=self.train))))
+            for op in walk_ops(self.tree, self.budgets, train=self.train, hybrid=self.layout.hybrid,
+                               lockstep=agreed):
+                self._execute(op)
             for i in self.tree.empty:
                 self._visit(i)
             self._backward_pending()
@@ -161,17 +156,15 @@ class TreeWalk:
             loss = self.total if self.total is not None else torch.zeros((), device=self.device)
         return WalkResult(self.logps, self.ents if self.want_ent else None, loss, dict(self.stats))
 
-    def _run_lockstep(self) -> None:
-        """The whole tree as batches of packed root subtrees, as many batches as every other process runs."""
-        roots = sorted(self.tree.roots, key=self.subtree_tokens.__getitem__)
-        batches = row_batches(roots, self.subtree_tokens, self.budgets, self.train, 0) if roots else []
-        n = int(self.lockstep(len(batches)))
-        if n < len(batches):
-            raise RuntimeError(f"lockstep: the processes agreed on {n} row batches, fewer than this one's "
-                               f"{len(batches)}; `lockstep` must return the largest count.")
-        for batch in batches:
-            self._run_rows(batch)
-        for _ in range(n - len(batches)):
+    def _execute(self, op: Op) -> None:
+        """The tensor work of one op of the schedule (`ops.py`)."""
+        if isinstance(op, Rows):
+            self._run_rows(list(op.roots))
+        elif isinstance(op, Push):
+            self._push(op.segment, op.blocks)
+        elif isinstance(op, Pop):
+            self._pop(op.segment)
+        else:
             self._idle_batch()
 
     def _idle_batch(self) -> None:
@@ -184,19 +177,6 @@ class TreeWalk:
         if self.train:
             self.pending = _zero_multiple(hidden) if aux is None else _zero_multiple(hidden) + aux * 0
             self._backward_pending()
-
-    def _run_children(self, s: int) -> list[int]:
-        """Run the children of `s` the schedule batches or runs alone; return those to walk, in order."""
-        kids = self.tree.roots if s < 0 else self.tree.segments[s].children
-        plan = schedule_children(kids, self.has_children, self.subtree_tokens, self.budgets, train=self.train,
-                                 live=self.live)
-        for kind, batch in plan.steps:
-            if kind == "rows":
-                self._run_rows(batch)
-            else:
-                self._push(batch[0])
-                self._pop(batch[0])
-        return plan.walk
 
     # ------------------------------------------------------------------ model calls
 
@@ -291,11 +271,11 @@ class TreeWalk:
             states = [None if t is None else tuple(self._grad_sink(x) for x in t) for t in states]
         self.stack.push(Frame(keys, values, length, states))
 
-    def _push(self, s: int) -> None:
-        """Forward segment `s` after the path (keep mode, or no-grad blocks in recompute mode) and visit the
-        sequences that end there."""
+    def _push(self, s: int, blocks: tuple[tuple[int, int], ...] | None) -> None:
+        """Forward segment `s` after the path (keep mode, `blocks` None; or no-grad `blocks` in recompute mode) and
+        visit the sequences that end there."""
         length = self.tree.segments[s].length
-        if graph_fits(self.budgets, self.train, self.live, length):
+        if blocks is None:
             hidden, kv, states, aux = self._forward(self.tokens[s][None], length, self._nodes(s, 0, length))
             lp, ent = self._score(hidden[0], *self._targets(s, 0, self.plan.block(s, 0, length)))
             self._push_frame(kv, length, states)
@@ -304,7 +284,6 @@ class TreeWalk:
             if self.train:
                 self.live += length
         else:
-            blocks = block_bounds(length, self.budgets.block_size, min_block=2 if self.layout.hybrid else 1)
             lps, ents = [], []
             with torch.no_grad():
                 for lo, hi in blocks:
@@ -314,7 +293,8 @@ class TreeWalk:
                     ents.append(ent)
                     self._push_frame(kv, hi - lo, states)
             ent = torch.cat(ents) if self.want_ent else None
-            state = _SegmentState(self._grad_sink(torch.cat(lps)), self._grad_sink(ent), len(blocks), blocks=blocks)
+            state = _SegmentState(self._grad_sink(torch.cat(lps)), self._grad_sink(ent), len(blocks),
+                                  blocks=list(blocks))
         self.path.append(s)
         self.live_outputs[s] = state
         for i in self.tree.segments[s].ends:

@@ -21,9 +21,9 @@ class DTAGRPOTrainer(DTATrainerMixin, GRPOTrainer):
     `compute_loss` (the policy loss of an optimizer step's micro-batches through one `DTAEngine.forward_backward`)
     and `training_step` (the accumulation window; one gradient reduction per window with several processes); with
     `dta_tree_branching` also `_generate_single_turn` (each prompt's completions sampled as a tree, shared segments
-    generated once: `tree_rollouts.py`), `_calculate_rewards` (to note the rows TRL could score) and, for a
-    `dta_tree_advantage` other than `"group"`, `_generate_and_score_completions` (the tree advantages after TRL's
-    scoring: `tree_advantages.py`).
+    generated once: `tree_rollouts.py`), `_calculate_rewards` (to note the rows TRL could score) and
+    `_generate_and_score_completions` (the trees and scorable rows of TRL's call handed to the scoring, which for a
+    `dta_tree_advantage` other than `"group"` replaces TRL's advantages: `tree_advantages.py`).
 
     Every `loss_type` (grpo, bnpo, dr_grpo, dapo, luspo, cispo, sapo, vespo), token- and sequence-level importance
     sampling, `beta > 0` (reference model or adapter-disabled PEFT reference), `num_iterations`,
@@ -80,8 +80,11 @@ class DTAGRPOTrainer(DTATrainerMixin, GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         """TRL's, with the advantages of `dta_tree_advantage` (other than `"group"`) after TRL's scoring."""
-        output = super()._generate_and_score_completions(inputs)
-        return output if self._dta_trees is None else self._dta_trees.score(self, output)
+        if self._dta_trees is None:
+            return super()._generate_and_score_completions(inputs)
+        with self._dta_trees.generation() as generation:  # filled by `_generate_single_turn`, `_calculate_rewards`
+            output = super()._generate_and_score_completions(inputs)
+        return self._dta_trees.score(self, output, generation)
 
     def _dta_sequence_loss(self, inputs: dict, scale: float):
         if self.top_entropy_quantile < 1.0:

@@ -1,58 +1,70 @@
-"""Tree rollouts inside a `GRPOTrainer`: a prompt's `num_generations` completions sampled as one tree
-(`tree_sampling.py`), trained once by DTA, credited by `dta_tree_advantage` (`tree_advantages.py`).
+"""Tree rollouts inside a `GRPOTrainer`: the TRL side of `dta_tree_branching`. A prompt's `num_generations`
+completions are sampled as one tree by the generation package (`trl_dta/generation/tree_sampling.py`), trained once by
+DTA, credited by `dta_tree_advantage` (`tree_advantages.py`). This module only reads TRL's state (at construction:
+args, generation config, EOS and pad ids; per generation: the model unwrapped as TRL unwraps it for generation),
+calls the sampler and writes TRL's metrics.
 
 Rows. TRL's sampler repeats every prompt `num_generations` times in consecutive rows; `_generate_single_turn` must
 return one completion per row in that order. A group's rows receive its leaves in depth-first order (rows within a
 group are exchangeable for everything TRL computes). Rewards, the group advantages, the loss and the metrics are TRL's;
 with an advantage mode other than `"group"` the scored batch's `advantages` are replaced after TRL's scoring, from TRL's
 advantages and the rows TRL could score.
+
+Hooks. TRL's `_generate_and_score_completions` calls `_generate_single_turn` (the trees) and then
+`_calculate_rewards` (the scorable rows) before it returns the scored batch. The trainer opens one [`TreeGeneration`]
+around that call ([`TreeRollouts.generation`]), the two inner hooks fill it, and the trainer hands it to
+[`TreeRollouts.score`] explicitly: nothing of one generation outlives the call.
 """
 
 from __future__ import annotations
 
-import math
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
+from ..generation.tree_sampling import RolloutTree, TreeSampler, check_generation_config
 from .tree_advantages import tree_advantages
-from .tree_sampling import RolloutTree, check_generation_config, effective_generation_config, sample_trees
+
+
+@dataclass
+class TreeGeneration:
+    """One call of TRL's `_generate_and_score_completions`, as the tree advantages need it.
+
+    Args:
+        trees (`list[RolloutTree]`, *optional*): this process's trees in row order, once sampled (None while TRL has
+            not generated, or when it generated independently, e.g. evaluation with another `num_generations_eval`).
+        scorable (`torch.Tensor` of shape `(N,)`, *optional*): bool over all processes' rows, once TRL has scored
+            them: whether some reward function returned a value for the row.
+    """
+
+    trees: list[RolloutTree] | None = None
+    scorable: torch.Tensor | None = None
 
 
 class TreeRollouts:
     """Tree rollouts inside a `GRPOTrainer`: what `DTAGRPOTrainer._generate_single_turn` calls.
 
-    Built at construction ([`TreeRollouts.from_trainer`], which refuses what tree rollouts cannot sample), then per
-    generation [`generate`] samples the process's prompt groups as trees and logs, next to TRL's metrics:
-
-    - `dta/generated_tokens`: completion tokens sampled (each tree node's segment once);
-    - `dta/generated_tokens_independent`: completion tokens of the same leaves sampled independently (TRL's way);
-    - `dta/generation_compression`: their ratio;
-    - `dta/generation_forward_tokens`: token positions the model forwarded while generating (each distinct prompt
-      once, each sampled token at most once);
-    - `dta/generation_peak_kv_mb`: the most key/value memory the generation cache held (MiB; the prompts once, not
-      once per completion);
-    - `dta/tree_distinct_leaves`: distinct completions per prompt group (mean over groups; `num_generations` at most);
-    - `dta/tree_early_end_fraction`: the fraction of rows whose completion ended before the last level, so that they
-      copy a shorter node (several rows of one group then hold the same completion).
+    Built at construction ([`TreeRollouts.from_trainer`], which refuses what tree rollouts cannot sample, and reads
+    TRL's sampling settings once into a [`~trl_dta.generation.tree_sampling.TreeSampler`]), then per generation
+    [`generate`] samples the process's prompt groups as trees and logs the sampler's metrics
+    ([`~trl_dta.generation.tree_sampling.TreeSampler.metrics`]: generated tokens, tree vs independent, the
+    compression, forwarded tokens, peak key/value memory, distinct leaves, early ends) next to TRL's.
 
     With an advantage mode other than `"group"`, [`score`] replaces TRL's advantages after its scoring (TRL's reward
     computation is observed through [`observe_rewards`] for the rows it could not score).
 
     Args:
-        branching (`list[int]`): `dta_tree_branching`.
-        segment_length (`int`, *optional*): `dta_tree_segment_length`.
+        sampler (`TreeSampler`): the sampling settings (`dta_tree_branching`, `dta_tree_segment_length`,
+            `max_completion_length`, TRL's generation config, EOS and pad ids).
         advantage (`str`): `dta_tree_advantage` (`tree_advantages.ADVANTAGES`).
     """
 
-    def __init__(self, branching: list[int], segment_length: int | None, advantage: str):
-        self.branching = list(branching)
-        self.segment_length = segment_length
+    def __init__(self, sampler: TreeSampler, advantage: str):
+        self.sampler = sampler
         self.advantage = advantage
-        self.num_leaves = math.prod(self.branching)
-        # The latest generation's trees (in row order) and, once TRL has scored it, its scorable rows `(N,)` over all
-        # processes: what `score` needs from `generate` and `_calculate_rewards`, which TRL calls in between.
-        self.last_trees: list[RolloutTree] | None = None
-        self.last_scorable: torch.Tensor | None = None
+        self._open: TreeGeneration | None = None  # the generation being scored ([`generation`])
 
     @classmethod
     def from_trainer(cls, trainer) -> TreeRollouts | None:
@@ -85,18 +97,31 @@ class TreeRollouts:
                 f"(`generation_batch_size={args.generation_batch_size}`), which splits prompt groups. Make "
                 f"`generation_batch_size / num_processes` a multiple of `num_generations`, {off}"
             )
-        return cls(branching, args.dta_tree_segment_length, args.dta_tree_advantage)
+        sampler = TreeSampler(tuple(branching), args.dta_tree_segment_length, trainer.max_completion_length,
+                              trainer.generation_config, tuple(trainer.eos_token_ids),
+                              trainer._tokenizer.pad_token_id)
+        return cls(sampler, args.dta_tree_advantage)
 
     def applies(self, num_generations: int) -> bool:
         """Whether a generation of `num_generations` rows per prompt is sampled as trees (evaluation with another
         `num_generations_eval` samples independently, as TRL does)."""
-        return num_generations == self.num_leaves
+        return num_generations == self.sampler.num_leaves
+
+    @contextlib.contextmanager
+    def generation(self) -> Iterator[TreeGeneration]:
+        """Around one call of TRL's `_generate_and_score_completions`: the [`TreeGeneration`] that [`generate`] and
+        [`observe_rewards`] fill during the call, for the caller to hand to [`score`]."""
+        record = self._open = TreeGeneration()
+        try:
+            yield record
+        finally:
+            self._open = None
 
     def generate(self, trainer, prompt_ids: list[list[int]], num_generations: int) -> tuple[list[list[int]], None]:
         """TRL's `_generate_single_turn` for tree rollouts: one completion per row, in TRL's row order.
 
         Args:
-            trainer (`GRPOTrainer`): the trainer (its model, generation config, tokenizer, metrics).
+            trainer (`GRPOTrainer`): the trainer (its model as TRL unwraps it for generation, its metrics).
             prompt_ids (`list[list[int]]`): the process's rows, each prompt repeated `num_generations` times in
                 consecutive rows (TRL's `RepeatSampler`).
             num_generations (`int`): rows per prompt, equal to the product of `dta_tree_branching`.
@@ -105,60 +130,28 @@ class TreeRollouts:
             `(completion_ids, None)`: the rows' completions (EOS included when sampled) and no sampling log-probs
             (as TRL's transformers path).
         """
-        from trl.extras.profiling import profiling_context
-        from trl.models import unwrap_model_for_generation
-
         groups = _prompt_groups(prompt_ids, num_generations)
-        with (
-            profiling_context(trainer, "transformers.generate"),
-            unwrap_model_for_generation(
-                trainer.model_wrapped,
-                trainer.accelerator,
-                gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
-                generation_kwargs=trainer.generation_kwargs,
-                gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
-            ) as model,
-            torch.no_grad(),
-            trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False),
-        ):
-            trees, stats = sample_trees(
-                model,
-                groups,
-                self.branching,
-                self.segment_length,
-                trainer.max_completion_length,
-                effective_generation_config(model, trainer.generation_config),
-                trainer.eos_token_ids,
-                trainer._tokenizer.pad_token_id,
-            )
-        self.last_trees, self.last_scorable = trees, None
+        with _generation_model(trainer) as model:
+            trees, stats = self.sampler(model, groups)
+        if self._open is not None:
+            self._open.trees = trees
         metrics = trainer._metrics["train" if trainer.model.training else "eval"]
-        generated = sum(t.generated_tokens for t in trees)
-        independent = sum(t.independent_tokens for t in trees)
-        metrics["dta/generated_tokens"].append(float(generated))
-        metrics["dta/generated_tokens_independent"].append(float(independent))
-        metrics["dta/generation_compression"].append(independent / max(generated, 1))
-        metrics["dta/generation_forward_tokens"].append(float(stats.forward_tokens))
-        metrics["dta/generation_peak_kv_mb"].append(stats.peak_kv_bytes / 2**20)
-        metrics["dta/tree_distinct_leaves"].append(sum(len({tuple(leaf) for leaf in t.leaves}) for t in trees)
-                                                    / max(len(trees), 1))
-        early = sum(len(path) < len(self.branching) for t in trees for path in t.nodes)
-        metrics["dta/tree_early_end_fraction"].append(early / max(len(trees) * self.num_leaves, 1))
+        for name, value in self.sampler.metrics(trees, stats).items():
+            metrics[name].append(value)
         return [leaf for tree in trees for leaf in tree.leaves], None
 
     def observe_rewards(self, rewards_per_func: torch.Tensor) -> None:
-        """Note which rows of the latest generation TRL can score: `rewards_per_func` `(N, n_funcs)` is what TRL's
+        """Note which rows of the open generation TRL can score: `rewards_per_func` `(N, n_funcs)` is what TRL's
         `_calculate_rewards` returns (all processes' rows), NaN where a reward function returned None; a row is
         unscorable when all of its rewards are NaN (TRL zeroes its advantage)."""
-        if self.last_trees is not None:
-            self.last_scorable = ~torch.isnan(rewards_per_func).all(dim=1)
+        if self._open is not None and self._open.trees is not None:
+            self._open.scorable = ~torch.isnan(rewards_per_func).all(dim=1)
 
-    def score(self, trainer, output: dict) -> dict:
+    def score(self, trainer, output: dict, generation: TreeGeneration) -> dict:
         """TRL's scored batch, with the advantages of `dta_tree_advantage` when the batch was sampled as trees
         (`tree_advantages.py`: `(B, T)` for the per-token modes, `(B,)` otherwise); unchanged with `"group"` (TRL's
-        own advantages) or for a generation sampled independently."""
-        trees, scorable = self.last_trees, self.last_scorable
-        self.last_trees = self.last_scorable = None
+        own advantages) or for a generation sampled independently (`generation.trees` None)."""
+        trees, scorable = generation.trees, generation.scorable
         if self.advantage == "group" or trees is None:
             return output
         rows = output["advantages"].size(0)
@@ -168,6 +161,29 @@ class TreeRollouts:
         output["advantages"] = tree_advantages(output["advantages"], trees, output["completion_ids"].size(1),
                                                self.advantage, scorable)
         return output
+
+
+@contextlib.contextmanager
+def _generation_model(trainer) -> Iterator[torch.nn.Module]:
+    """The policy as TRL's transformers generation path holds it: profiled as `transformers.generate`, unwrapped (and
+    ZeRO-3-gathered when TRL gathers) by `unwrap_model_for_generation`, under `torch.no_grad()`, with FSDP2's full
+    parameters summoned by the trainer's distributed strategy."""
+    from trl.extras.profiling import profiling_context
+    from trl.models import unwrap_model_for_generation
+
+    with (
+        profiling_context(trainer, "transformers.generate"),
+        unwrap_model_for_generation(
+            trainer.model_wrapped,
+            trainer.accelerator,
+            gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+            generation_kwargs=trainer.generation_kwargs,
+            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
+        ) as model,
+        torch.no_grad(),
+        trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False),
+    ):
+        yield model
 
 
 def _prompt_groups(prompt_ids: list[list[int]], num_generations: int) -> list[list[int]]:

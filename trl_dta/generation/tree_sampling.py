@@ -42,7 +42,7 @@ Settings that depend on where a `generate` call starts (`forced_eos_token_id`, `
 Distribution. The product of the segment distributions is the sequence distribution, so each leaf, taken alone, is a
 sample from the policy: the same distribution as TRL's completions (not the same numbers: attention over cached
 nodes, merged by log-sum-exp, gives logits that differ from one full prefill in the last bits).
-`tests/trainers/test_tree_sampling.py` checks each leaf's marginal and the joint law of a node and its children
+`tests/generation/test_tree_sampling.py` checks each leaf's marginal and the joint law of a node and its children
 (`P(a, b1, b2) = p(a) p(b1 | a) p(b2 | a)`) with chi-square tests. A node that ends (EOS) before a branch
 point has no children: each of the rows below it is that same finished sequence, which is exactly what independent
 continuation would give (an ended sequence has the empty continuation), so every row is still one sample of the
@@ -62,6 +62,9 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
+from transformers import GenerationConfig
+
+from .sampling import CachedGenerate
 
 # GenerationConfig attributes whose effect depends on where a `generate` call starts (its input length, its
 # `max_length`, its wall clock), or that do not sample the policy, so a tree of segment-wise calls would not sample
@@ -260,8 +263,6 @@ def sample_trees(
     Returns:
         `(trees, stats)`: a [`RolloutTree`] per prompt and the [`TreeStats`] of the call.
     """
-    from ..generation import CachedGenerate
-
     ids = SimpleNamespace(eos_token_id=list(eos_token_ids), pad_token_id=pad_token_id)
     generator = CachedGenerate(model, ids, generation_config)
     stats = TreeStats()
@@ -308,6 +309,69 @@ def sample_trees(
     if return_logits:
         stats.logits = all_logits
     return trees, stats
+
+
+@dataclass(frozen=True)
+class TreeSampler:
+    """The settings of a rollout's tree sampling, as plain values: what [`sample_trees`] needs besides the model and
+    the prompts (the trainer hook reads them from TRL's state once, at construction).
+
+    Args:
+        branching (`tuple[int, ...]`): children per level (`dta_tree_branching`).
+        segment_length (`int`, *optional*): completion tokens per segment before each branch point
+            (`dta_tree_segment_length`).
+        max_new_tokens (`int`): the longest completion (`max_completion_length`).
+        generation_config (`transformers.GenerationConfig`): the caller's sampling settings (TRL's
+            `generation_config`), merged with the model's own at every call ([`effective_generation_config`]).
+        eos_token_ids (`tuple[int, ...]`): tokens that end a completion.
+        pad_token_id (`int`): the tokenizer's padding token.
+    """
+
+    branching: tuple[int, ...]
+    segment_length: int | None
+    max_new_tokens: int
+    generation_config: GenerationConfig
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+
+    @property
+    def num_leaves(self) -> int:
+        """Completions per tree: the product of the branching factors."""
+        return math.prod(self.branching)
+
+    def __call__(self, model, prompts: list[list[int]]) -> tuple[list[RolloutTree], TreeStats]:
+        """[`sample_trees`] of `prompts` (one tree per prompt) with these settings and `model`'s generation config
+        under the caller's; `model` is the unwrapped policy, called under `torch.no_grad()`."""
+        return sample_trees(model, prompts, list(self.branching), self.segment_length, self.max_new_tokens,
+                            effective_generation_config(model, self.generation_config), list(self.eos_token_ids),
+                            self.pad_token_id)
+
+    def metrics(self, trees: list[RolloutTree], stats: TreeStats) -> dict[str, float]:
+        """What one generation of `trees` cost and gave (the trainer logs these next to TRL's metrics):
+
+        - `dta/generated_tokens`: completion tokens sampled (each tree node's segment once);
+        - `dta/generated_tokens_independent`: completion tokens of the same leaves sampled independently;
+        - `dta/generation_compression`: their ratio;
+        - `dta/generation_forward_tokens`: token positions the model forwarded while generating (each distinct prompt
+          once, each sampled token at most once);
+        - `dta/generation_peak_kv_mb`: the most key/value memory the generation cache held (MiB);
+        - `dta/tree_distinct_leaves`: distinct completions per tree (mean over trees; `num_leaves` at most);
+        - `dta/tree_early_end_fraction`: the fraction of leaves whose completion ended before the last level, so that
+          they copy a shorter node.
+        """
+        generated = sum(t.generated_tokens for t in trees)
+        independent = sum(t.independent_tokens for t in trees)
+        early = sum(len(path) < len(self.branching) for t in trees for path in t.nodes)
+        return {
+            "dta/generated_tokens": float(generated),
+            "dta/generated_tokens_independent": float(independent),
+            "dta/generation_compression": independent / max(generated, 1),
+            "dta/generation_forward_tokens": float(stats.forward_tokens),
+            "dta/generation_peak_kv_mb": stats.peak_kv_bytes / 2**20,
+            "dta/tree_distinct_leaves": sum(len({tuple(leaf) for leaf in t.leaves}) for t in trees)
+            / max(len(trees), 1),
+            "dta/tree_early_end_fraction": early / max(len(trees) * self.num_leaves, 1),
+        }
 
 
 def _collect(children: list[_Node], branching: list[int], level: int, tokens: list[int], path: list[int],

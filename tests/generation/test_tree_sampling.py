@@ -1,4 +1,4 @@
-"""Tree sampling (`trl_dta/trainers/tree_sampling.py`): each leaf's distribution and the joint law of siblings against
+"""Tree sampling (`trl_dta/generation/tree_sampling.py`): each leaf's distribution and the joint law of siblings against
 the exact distribution (enumeration), `min_new_tokens` across branch points, top-p and min-p, fault injections the
 tests must reject, the key/value cache reuse, the tree invariants, and the generation config `generate` really uses."""
 
@@ -20,15 +20,17 @@ from transformers.generation import (
 
 from tests.conftest import use_input_dtype_norms
 from tests.generation.stats import chi_square_p
-from trl_dta.trainers import tree_sampling
-from trl_dta.trainers.tree_sampling import (
+from tests.trainers.conftest import EOS, PAD, build_model
+from trl_dta.generation import tree_sampling
+from trl_dta.generation.tree_sampling import (
+    RolloutTree,
+    TreeSampler,
+    TreeStats,
     check_generation_config,
     effective_generation_config,
     level_generation_config,
     sample_trees,
 )
-
-from .conftest import EOS, PAD, build_model
 
 VOCAB = 10  # a model over 10 tokens: every outcome of a short completion can be enumerated
 ALPHA = 1e-3  # significance level of the chi-square tests
@@ -222,6 +224,30 @@ def test_siblings_share_their_parent_segment(small_model):
         assert all(len(leaf) <= 5 for leaf in tree.leaves)
         assert tree.generated_tokens <= tree.independent_tokens
     assert saw_copy
+
+
+def test_sampler_samples_as_sample_trees_and_counts_its_metrics(small_model):
+    """`TreeSampler` (the settings as plain values) draws what `sample_trees` draws on the same random stream, and its
+    metrics, by hand on a tree of 4 leaves: nodes a=[3, 4] (children [5] and [6, 7]) and b=[8, 2] (ended at the branch
+    point: two copies). Sampled: 2 + 1 + 2 + 2 = 7 tokens; independently 3 + 4 + 2 + 2 = 11; 3 distinct leaves; 2 of 4
+    leaves ended early."""
+    config = _generation_config()
+    sampler = TreeSampler((2, 2), 2, 5, config, (EOS,), PAD)
+    torch.manual_seed(3)
+    trees, stats = sampler(small_model, [PROMPT] * 4)
+    torch.manual_seed(3)
+    ref_trees, ref_stats = sample_trees(small_model, [PROMPT] * 4, [2, 2], 2, 5,
+                                        effective_generation_config(small_model, config), [EOS], PAD)
+    assert trees == ref_trees and stats == ref_stats
+
+    tree = RolloutTree(leaves=[[3, 4, 5], [3, 4, 6, 7], [8, 2], [8, 2]], nodes=[[0, 1], [0, 2], [3], [3]],
+                       starts=[0, 2], generated_tokens=7)
+    metrics = sampler.metrics([tree, tree], TreeStats(forward_calls=3, forward_tokens=20, peak_kv_bytes=3 * 2**19))
+    assert metrics == {
+        "dta/generated_tokens": 14.0, "dta/generated_tokens_independent": 22.0,
+        "dta/generation_compression": 22 / 14, "dta/generation_forward_tokens": 20.0,
+        "dta/generation_peak_kv_mb": 1.5, "dta/tree_distinct_leaves": 3.0, "dta/tree_early_end_fraction": 0.5,
+    }
 
 
 @pytest.mark.parametrize("branching,segment,max_new", [
