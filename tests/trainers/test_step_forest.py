@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trl_dta.batch import Layout
-from trl_dta.trainers.step_forest import StepForest, buffered_window
+from trl_dta.trainers.step_forest import Cadence, StepForest, buffered_window
 
 
 @pytest.mark.parametrize(
@@ -23,15 +23,15 @@ from trl_dta.trainers.step_forest import StepForest, buffered_window
 )
 def test_buffered_window(step, remaining, spg, generate_every, expected):
     buffer = [{"k": k} for k in range(spg)]
-    steps, batches = buffered_window(buffer[step % spg], buffer, step, remaining, spg, generate_every)
+    steps, batches = buffered_window(buffer[step % spg], buffer, step, remaining, Cadence(spg, generate_every // spg))
     assert steps == expected
     assert all(b is buffer[s % spg] for s, b in zip(steps, batches))
 
 
 def test_buffered_window_needs_trl_buffer():
     buffer = [{"k": 0}, {"k": 1}]
-    assert buffered_window({"k": 0}, buffer, 0, 2, 2, 2) == ([0], [{"k": 0}])  # not the buffered object
-    assert buffered_window(buffer[0], None, 0, 2, 2, 2)[0] == [0]
+    assert buffered_window({"k": 0}, buffer, 0, 2, Cadence(2, 1)) == ([0], [{"k": 0}])  # not the buffered object
+    assert buffered_window(buffer[0], None, 0, 2, Cadence(2, 1))[0] == [0]
 
 
 def test_step_forest_maps_sequences_to_micro_batches():

@@ -18,7 +18,8 @@ from conftest import VOCAB, make_model
 from reference import dense_forward_backward, grads_of, max_rel_err
 from trl_dta.engine import DTAEngine
 from trl_dta.parallel import Local
-from trl_dta.trainers.window import Cadence, WindowContext, decide, router_request, run_window
+from trl_dta.trainers.step_forest import Cadence
+from trl_dta.trainers.window import WindowContext, decide, router_request, run_window
 
 TOL = 1e-10
 SCALE = 0.5

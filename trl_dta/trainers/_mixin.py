@@ -56,9 +56,9 @@ from .micro_batches import (
     split_by_groups,
     unpadded_metrics,
 )
-from .step_forest import buffered_window
+from .step_forest import Cadence, buffered_window
 from .support import check_policy, check_schedule
-from .window import Cadence, MicroStep, WindowContext, as_trl_head_output, decide, run_window
+from .window import MicroStep, WindowContext, as_trl_head_output, decide, run_window
 
 
 class DTATrainerMixin:
@@ -356,7 +356,7 @@ class DTATrainerMixin:
         """The window from this micro-step on, read from TRL's state (`window.WindowContext`)."""
         steps, batches = buffered_window(inputs, self._buffered_inputs, self._step,
                                          self.current_gradient_accumulation_steps - self._dta_window_position,
-                                         self.args.steps_per_generation, self._dta_cadence.generate_every)
+                                         self._dta_cadence)
         scale = self._dta_loss_scale(num_items_in_batch)
         router_coef = None
         if self.aux_loss_enabled:  # weighted as TRL's `_compute_loss` adds it, times the scale of the backward

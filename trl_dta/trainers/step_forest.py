@@ -33,8 +33,34 @@ from ..batch import Layout
 from ..tree import PrefixTree
 
 
-def buffered_window(inputs: dict, buffer: list[dict] | None, step: int, remaining: int, steps_per_generation: int,
-                    generate_every: int) -> tuple[list[int], list[dict]]:
+@dataclass(frozen=True)
+class Cadence:
+    """TRL's regeneration rule for GRPO/RLOO: a new generation at every `steps_per_generation * num_iterations`
+    micro-steps (or when nothing is buffered yet), and micro-step `s` trains on `buffer[s % steps_per_generation]`.
+
+    Args:
+        steps_per_generation (`int`): micro-batches per generation.
+        num_iterations (`int`): passes over each generation.
+    """
+
+    steps_per_generation: int
+    num_iterations: int
+
+    @property
+    def generate_every(self) -> int:
+        return self.steps_per_generation * self.num_iterations
+
+    def generates(self, step: int, buffer: list | None) -> bool:
+        """Whether TRL generates anew at micro-step `step`, given its `_buffered_inputs`."""
+        return buffer is None or step % self.generate_every == 0
+
+    def index(self, step: int) -> int:
+        """The buffered micro-batch micro-step `step` trains on."""
+        return step % self.steps_per_generation
+
+
+def buffered_window(inputs: dict, buffer: list[dict] | None, step: int, remaining: int,
+                    cadence: Cadence) -> tuple[list[int], list[dict]]:
     """The micro-steps of the current window, from this one on, whose micro-batches TRL has already buffered.
 
     Args:
@@ -42,21 +68,20 @@ def buffered_window(inputs: dict, buffer: list[dict] | None, step: int, remainin
         buffer (`list[dict]`, *optional*): TRL's `_buffered_inputs`.
         step (`int`): this micro-step (TRL's `_step`).
         remaining (`int`): micro-steps left in the window, this one included.
-        steps_per_generation (`int`): micro-batches per generation.
-        generate_every (`int`): micro-steps between generations (`steps_per_generation * num_iterations`).
+        cadence ([`Cadence`]): TRL's regeneration rule.
 
     Returns:
         `(steps, batches)`: TRL micro-step indices and their micro-batches, this one first. Only this micro-step when
         `inputs` is not the buffered micro-batch of `step` (a `_prepare_inputs` that does not buffer like TRL's).
     """
-    if buffer is None or buffer[step % steps_per_generation] is not inputs:
+    if buffer is None or buffer[cadence.index(step)] is not inputs:
         return [step], [inputs]
     steps = [step]
     for later in range(step + 1, step + remaining):
-        if later % generate_every == 0:
+        if cadence.generates(later, buffer):
             break  # TRL generates anew at this micro-step
         steps.append(later)
-    return steps, [inputs] + [buffer[s % steps_per_generation] for s in steps[1:]]
+    return steps, [inputs] + [buffer[cadence.index(s)] for s in steps[1:]]
 
 
 @dataclass

@@ -44,32 +44,6 @@ from .step_forest import StepForest
 SequenceLoss = Callable[[int, torch.Tensor, torch.Tensor | None], torch.Tensor]  # (row j, logps_j, entropies_j)
 
 
-@dataclass(frozen=True)
-class Cadence:
-    """TRL's regeneration rule for GRPO/RLOO: a new generation at every `steps_per_generation * num_iterations`
-    micro-steps (or when nothing is buffered yet), and micro-step `s` trains on `buffer[s % steps_per_generation]`.
-
-    Args:
-        steps_per_generation (`int`): micro-batches per generation.
-        num_iterations (`int`): passes over each generation.
-    """
-
-    steps_per_generation: int
-    num_iterations: int
-
-    @property
-    def generate_every(self) -> int:
-        return self.steps_per_generation * self.num_iterations
-
-    def generates(self, step: int, buffer: list | None) -> bool:
-        """Whether TRL generates anew at micro-step `step`, given its `_buffered_inputs`."""
-        return buffer is None or step % self.generate_every == 0
-
-    def index(self, step: int) -> int:
-        """The buffered micro-batch micro-step `step` trains on."""
-        return step % self.steps_per_generation
-
-
 @dataclass
 class MicroStep:
     """What the window's forest computed for one of its micro-steps (None values: TRL's dense path runs it).
