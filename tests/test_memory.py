@@ -124,7 +124,7 @@ def test_replayed_walk_matches_the_engine(budgets, hybrid):
     if hybrid:
         full["max_pack_tokens"] = 0
         tree = tree.unshared()
-    forwards = list(_grad_forwards(tree, Budgets(**full), min_block=2 if hybrid else 1))
+    forwards = list(_grad_forwards(tree, Budgets(**full), hybrid=hybrid))
     assert max(graph + tokens for _, graph, _, tokens, _ in forwards) == out.stats["peak_graph_tokens"]
     if not hybrid:
         assert sum(tokens for _, _, _, tokens, _ in forwards) + out.stats["recomputed_tokens"] == \

@@ -264,18 +264,18 @@ def peak_memory(
         if isinstance(lockstep, bool) or not isinstance(lockstep, int) or lockstep < own:
             raise ValueError(f"peak_memory: `lockstep` is the number of row batches the processes agreed on, at least "
                              f"this batch's own {own} (`engine.ops.lockstep_batches`), got {lockstep!r}.")
-    for forward in _grad_forwards(tree, budgets, min_block=2 if hybrid else 1, lockstep=lockstep):
+    for forward in _grad_forwards(tree, budgets, hybrid=hybrid, lockstep=lockstep):
         candidate = estimate(*forward)
         if candidate.total > best.total:
             best = candidate
     return best
 
 
-def _grad_forwards(tree, budgets, min_block: int = 1, lockstep: int | None = None):
+def _grad_forwards(tree, budgets, hybrid: bool = False, lockstep: int | None = None):
     """Yield `(path_tokens, graph_tokens, rows, row_tokens, frames)` for every forward with grad of the engine's
-    training walk: the op stream the walk executes (`engine/ops.py`; `min_block=2`: a hybrid's; `lockstep`: the
+    training walk: the op stream the walk executes (`engine/ops.py`; `hybrid`: a hybrid model's walk; `lockstep`: the
     agreed number of row batches), `frames` being the stack's frames under the forward."""
-    for op in walk_ops(tree, budgets, train=True, hybrid=min_block > 1, lockstep=lockstep):
+    for op in walk_ops(tree, budgets, train=True, hybrid=hybrid, lockstep=lockstep):
         for f in op.forwards:
             if f.grad:
                 yield f.path_tokens, f.graph_tokens, f.rows, f.row_tokens, f.frames

@@ -91,7 +91,7 @@ def _check(model, seqs, hybrid: bool, budget: dict, train: bool):
             assert open_.pop() == (op.segment, op.blocks)
     assert not open_
     if train:  # what the memory estimate replays
-        replay = list(_grad_forwards(tree, budgets, min_block=2 if hybrid else 1, lockstep=lockstep))
+        replay = list(_grad_forwards(tree, budgets, hybrid=hybrid, lockstep=lockstep))
         assert replay == [(f.path_tokens, f.graph_tokens, f.rows, f.row_tokens, f.frames) for f in grad]
     return ops
 

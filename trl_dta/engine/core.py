@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence, Set
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
 import torch
@@ -24,9 +24,7 @@ from ..tree import PrefixTree
 from . import router_loss as routers
 from .plan import ScorePlan
 from .schedule import Budgets
-from .walk import LossFn, TreeWalk
-
-Lockstep = Callable[[int], int]  # agree(n): the largest n over the processes (an all-reduce)
+from .walk import Lockstep, LossFn, TreeWalk
 
 # How an engine user turns off active dropout modules (at call time, in training mode).
 _DROPOUT_FIX = Blocker("", fix="set the dropout probabilities to 0, or call `model.eval()`")
@@ -192,8 +190,7 @@ class DTAEngine:
             `n_scored[i]` of them when given).
         """
         return self._call(seqs, loss_fn=None, temperature=temperature, entropy=entropy, n_scored=n_scored,
-                          router_loss=_router_request(router_loss),
-                          lockstep=self.lockstep if lockstep is None else lockstep)
+                          router_loss=_router_request(router_loss), lockstep=lockstep)
 
     def forward_backward(self, seqs: Iterable | PrefixTree, loss_fn: LossFn, *, temperature: float = 1.0,
                          entropy: bool = False, n_scored: int | Sequence[int] | None = None,
@@ -226,14 +223,14 @@ class DTAEngine:
                 f"`loss_fn` must be a callable (i, logps_i, entropy_i) -> scalar tensor, got {type(loss_fn).__name__}."
             )
         return self._call(seqs, loss_fn=loss_fn, temperature=temperature, entropy=entropy, n_scored=n_scored,
-                          router_loss=_router_request(router_loss),
-                          lockstep=self.lockstep if lockstep is None else lockstep)
+                          router_loss=_router_request(router_loss), lockstep=lockstep)
 
     # ------------------------------------------------------------------ one call
 
     def _call(self, seqs, *, loss_fn: LossFn | None, temperature: float, entropy: bool, n_scored,
               router_loss: routers.LoadBalancing | None, lockstep: Lockstep | None) -> DTAOutput:
         t0 = time.perf_counter()
+        lockstep = self.lockstep if lockstep is None else lockstep
         temperature = _checks.check_float("temperature", temperature, minimum=0.0, exclusive=True)
         entropy = _checks.check_bool("entropy", entropy)
         lm = _causal_lm(self.model)

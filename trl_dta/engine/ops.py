@@ -116,12 +116,12 @@ def walk_ops(tree: PrefixTree, budgets: Budgets, *, train: bool, hybrid: bool = 
             count of the processes); at least this tree's own count.
     """
     if lockstep is not None:
-        yield from _lockstep_ops(tree, budgets, train, hybrid, lockstep)
+        yield from _lockstep_ops(tree, budgets, train, lockstep)
         return
     yield from _Schedule(tree, budgets, train, hybrid).ops()
 
 
-def _lockstep_ops(tree: PrefixTree, budgets: Budgets, train: bool, hybrid: bool, n: int) -> Iterator[Op]:
+def _lockstep_ops(tree: PrefixTree, budgets: Budgets, train: bool, n: int) -> Iterator[Op]:
     batches = lockstep_batches(tree, budgets, train=train)
     if n < len(batches):
         raise RuntimeError(f"lockstep: the processes agreed on {n} row batches, fewer than this one's "

@@ -2,7 +2,9 @@
 
 The walk executes the op stream of `ops.py` (`walk_ops`: what runs, in which order, kept or recomputed) and what the
 [`ScorePlan`] scores, over a model whose attention is already routed to DTA (the engine's job), and returns its
-results and counters in a [`WalkResult`]; it decides no order itself (`memory.py` replays the same stream).
+results and counters in a [`WalkResult`]; it decides no order itself (`memory.py` replays the same stream). One rule
+is applied on both sides: a hybrid's one-token forward after a path is padded to two tokens (`_forward`, and the
+stream's `Forward.length`), which `tests/engine/test_ops.py` holds equal.
 
 Gradient sinks: in training the keys/values pushed on the stack and a segment's scored log-probs/entropies are
 detached copies that require grad (`_grad_sink`); every descendant's backward accumulates into their `.grad`, and
@@ -53,6 +55,7 @@ from .rows import pack_rows
 from .schedule import Budgets
 
 LossFn = Callable[[int, torch.Tensor, torch.Tensor | None], torch.Tensor]
+Lockstep = Callable[[int], int]  # agree(n): the largest n over the processes (an all-reduce)
 
 
 @dataclass
@@ -81,7 +84,6 @@ class _SegmentState:
     out_ent: torch.Tensor | None  # (n_outputs,) or None
     n_frames: int  # frames it pushed on the stack
     graph: tuple | None = None  # keep mode: (kv per layer, states per layer, lp, ent, aux) with autograd history
-    blocks: list[tuple[int, int]] | None = None  # recompute mode: block bounds within the segment
 
 
 class TreeWalk:
@@ -107,7 +109,7 @@ class TreeWalk:
     def __init__(self, lm, layout: LayerLayout, tree: PrefixTree, plan: ScorePlan, budgets: Budgets, *,
                  loss_fn: LossFn | None = None, temperature: float = 1.0, entropy: bool = False,
                  attn_backend: str = "sdpa", precision: Precision | None = None, router=None,
-                 lockstep: Callable[[int], int] | None = None):
+                 lockstep: Lockstep | None = None):
         self.lm = lm
         self.backbone = lm.get_decoder()
         self.head = HeadSpec.from_model(lm)
@@ -129,9 +131,7 @@ class TreeWalk:
                             for kids in plan.fork_children]
         self.subtree_tokens = tree.subtree_tokens()
         self.subtree_segments = tree.subtree_segments()
-        self.has_children = [bool(s.children) for s in tree.segments]
         self.live_outputs: dict[int, _SegmentState] = {}  # segments of the current path and the running rows
-        self.path: list[int] = []
         self.logps: list[torch.Tensor | None] = [None] * tree.n_sequences
         self.ents: list[torch.Tensor | None] = [None] * tree.n_sequences
         self.total = None
@@ -163,7 +163,7 @@ class TreeWalk:
         elif isinstance(op, Push):
             self._push(op.segment, op.blocks)
         elif isinstance(op, Pop):
-            self._pop(op.segment)
+            self._pop(op.segment, op.blocks)
         else:
             self._idle_batch()
 
@@ -293,31 +293,28 @@ class TreeWalk:
                     ents.append(ent)
                     self._push_frame(kv, hi - lo, states)
             ent = torch.cat(ents) if self.want_ent else None
-            state = _SegmentState(self._grad_sink(torch.cat(lps)), self._grad_sink(ent), len(blocks),
-                                  blocks=list(blocks))
-        self.path.append(s)
+            state = _SegmentState(self._grad_sink(torch.cat(lps)), self._grad_sink(ent), len(blocks))
         self.live_outputs[s] = state
         for i in self.tree.segments[s].ends:
             self._visit(i)
         self._backward_pending()
 
-    def _pop(self, s: int) -> None:
+    def _pop(self, s: int, blocks: tuple[tuple[int, int], ...] | None) -> None:
         """Pop segment `s`: inject its accumulated gradients into its graph (recomputing it block by block, last to
-        first, in recompute mode)."""
-        self.path.pop()
+        first, in recompute mode: `blocks`, as pushed)."""
         state = self.live_outputs.pop(s)
         if not self.train:
             for _ in range(state.n_frames):
                 self.stack.pop()
             return
-        if state.graph is not None:
+        if blocks is None:
             frame = self.stack.pop()
             kv, states, lp, ent, aux = state.graph
             self._inject(frame, kv, states, (lp, state.out_lp.grad),
                          (ent, None if ent is None else state.out_ent.grad), _unit(aux))
             self.live -= self.tree.segments[s].length
             return
-        for lo, hi in reversed(state.blocks):
+        for lo, hi in reversed(blocks):
             frame = self.stack.pop()
             hidden, kv, states, aux = self._forward(self.tokens[s][None, lo:hi], hi - lo, self._nodes(s, lo, hi))
             block = self.plan.block(s, lo, hi)
