@@ -2,8 +2,8 @@
 
     python tools/balance_trace.py            # the trainers' split and the default `partition`, on a fixed batch
 
-Runs [`trace_calls`] (`sys.setprofile` on Python call / return events) over `partition_for_ranks` (what
-`distributed.redistribute` and so `micro_batches.per_turn_buffer` call, groups kept whole, equal count) and over
+Runs [`trace_calls`] (`sys.setprofile` on Python call / return events) over `partition_for_ranks` (the split
+`micro_batches.balance_ranks` gets through `distributed.redistribute`: groups kept whole, equal count) and over
 `partition(..., group_ids=...)` and `partition(...)` with the default strategy `"best"`, and prints per call:
 
 - `returns`: returns from a function of one `trl_dta` module into a function of another (all of `trl_dta`);

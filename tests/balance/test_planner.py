@@ -7,7 +7,6 @@ Read from the source with `ast`, and from a run: `tools/balance_trace.py` record
 
 from __future__ import annotations
 
-import ast
 import importlib.util
 import sys
 from pathlib import Path
@@ -21,35 +20,23 @@ BALANCE = ROOT / "trl_dta" / "balance"
 PLANNER, STRATEGIES, PRIMITIVES = "partition", ("contiguous", "packing"), "cost"
 
 
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("balance_trace", ROOT / "tools" / "balance_trace.py")
+def _load_tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault(spec.name, module)  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
 
-TOOL = _load_tool()
+TOOL = _load_tool("balance_trace")
 
 
 def balance_imports(module: str) -> set[str]:
-    """The `trl_dta.balance` siblings that `balance/<module>.py` imports (relative or absolute, anywhere in it)."""
-    tree = ast.parse((BALANCE / f"{module}.py").read_text())
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            if node.level == 1:
-                names = [node.module] if node.module else [alias.name for alias in node.names]
-                found.update(name.split(".")[0] for name in names)
-            elif node.level == 0 and (node.module or "").startswith("trl_dta.balance"):
-                parts = node.module.split(".")
-                found.update([parts[2]] if len(parts) > 2 else [alias.name for alias in node.names])
-        elif isinstance(node, ast.Import):
-            for alias in node.names:
-                parts = alias.name.split(".")
-                if parts[:2] == ["trl_dta", "balance"] and len(parts) > 2:
-                    found.add(parts[2])
-    return found
+    """The `trl_dta.balance` siblings that `balance/<module>.py` imports (relative or absolute, anywhere in it), as
+    `tools/import_graph.py` reads them."""
+    graph = _load_tool("import_graph")
+    (scope,) = [s for s in graph.scopes(ROOT / "trl_dta") if s.package == ("trl_dta", "balance")]
+    return {b for a, b in scope.edges if a == module}
 
 
 def test_the_balance_modules_are_the_ones_named_here():

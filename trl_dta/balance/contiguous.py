@@ -19,9 +19,9 @@ The duplicated work of any split into `k` non-empty parts is at least that of th
 (the parts' first occurrences in sorted order are `k - 1` cuts, and a subtree holding `c` of them meets at least
 `c + 1` parts), so the compression kept by the contiguous minimum-duplication cut bounds that of any method.
 
-The two strategies the planner (`partition.py`) calls, [`contiguous_parts`] and [`equal_runs`], take the sorted batch,
-`k`, the cost model and the labels as arguments and return parts (original indices per rank); this module imports only
-`cost.py`.
+The two strategies the planner (`partition.py`) calls, [`contiguous_parts`] (the sorted batch, `k`, the cost model,
+the labels, the slack) and [`equal_runs`] (the sorted batch, `k`), take what they need as arguments and return parts
+(original indices per rank); this module imports only `cost.py`.
 """
 
 from __future__ import annotations
@@ -31,26 +31,6 @@ from collections import deque
 import numpy as np
 
 from .cost import CostModel, SortedBatch
-
-
-def allowed_cuts(batch: SortedBatch, labels: np.ndarray | None) -> np.ndarray:
-    """Sorted positions where a run may start/end: 0, n, and every position not inside a group's span."""
-    n = batch.n
-    if labels is None:
-        return np.arange(n + 1, dtype=np.int64)
-    group_of_pos = labels[batch.order]
-    n_groups = int(labels.max()) + 1 if n else 0
-    first = np.full(n_groups, n, dtype=np.int64)
-    last = np.full(n_groups, -1, dtype=np.int64)
-    np.minimum.at(first, group_of_pos, np.arange(n))
-    np.maximum.at(last, group_of_pos, np.arange(n))
-    # A cut before position p is forbidden when some group has members at positions < p and >= p.
-    blocked = np.zeros(n + 2, dtype=np.int64)
-    np.add.at(blocked, first + 1, 1)
-    np.add.at(blocked, last + 1, -1)
-    inside = np.cumsum(blocked)[: n + 1] > 0
-    inside[0] = inside[n] = False
-    return np.flatnonzero(~inside).astype(np.int64)
 
 
 def _greedy_probe(batch, cuts, k, limit, model):
@@ -146,7 +126,7 @@ def contiguous_parts(
     """`k` contiguous runs of the sorted batch (original indices each) with the least maximum cost, then the least
     duplication within `(1 + slack)` of it; runs never split a group of `labels`. Trailing runs are empty when there
     are fewer than `k` separable units."""
-    cuts = allowed_cuts(batch, labels)
+    cuts = batch.allowed_cuts(labels)
     m = len(cuts) - 1
     if m <= k:
         bounds = list(range(m + 1)) + [m] * (k - m)

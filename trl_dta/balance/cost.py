@@ -230,6 +230,25 @@ class SortedBatch:
         self.cut_leaf = (prev_len > 0) & (self.lcp_ext == prev_len)
         self.cut_leaf[0] = False
 
+    def allowed_cuts(self, labels: np.ndarray | None) -> np.ndarray:
+        """Sorted positions where a run may start/end: 0, n, and every position not inside a group's span."""
+        n = self.n
+        if labels is None:
+            return np.arange(n + 1, dtype=np.int64)
+        group_of_pos = labels[self.order]
+        n_groups = int(labels.max()) + 1 if n else 0
+        first = np.full(n_groups, n, dtype=np.int64)
+        last = np.full(n_groups, -1, dtype=np.int64)
+        np.minimum.at(first, group_of_pos, np.arange(n))
+        np.maximum.at(last, group_of_pos, np.arange(n))
+        # A cut before position p is forbidden when some group has members at positions < p and >= p.
+        blocked = np.zeros(n + 2, dtype=np.int64)
+        np.add.at(blocked, first + 1, 1)
+        np.add.at(blocked, last + 1, -1)
+        inside = np.cumsum(blocked)[: n + 1] > 0
+        inside[0] = inside[n] = False
+        return np.flatnonzero(~inside).astype(np.int64)
+
     def run_stats(self, l, r):
         """Statistics of runs `[l, r)` of sorted positions; `l`, `r` ints or broadcastable int arrays, `l <= r`.
 

@@ -16,8 +16,8 @@ placement and every local-search step is judged by its exact effect.
 
 Atoms are whole groups ([`group_atoms`]) or subtrees of the prefix tree split at their branch points until each costs
 at most a given limit ([`subtree_atoms`]). The two strategies the planner (`partition.py`) calls, [`group_packing`] and
-[`subtree_packings`], take the sorted batch, `k`, the cost model and the labels as arguments and return parts
-(original indices per rank); this module imports only `cost.py`.
+[`subtree_packings`], take what they need as arguments (the sorted batch, `k`, the cost model; the labels for the
+first) and return parts (original indices per rank); this module imports only `cost.py`.
 """
 
 from __future__ import annotations

@@ -224,8 +224,7 @@ def partition(
     n = len(tree.order)
     labels = check_group_ids(group_ids, n)
     labels = labels if keep_groups else None
-    if n and equal_count:
-        group_size = _check_equal_count(n, k, labels)
+    group_size = _check_equal_count(n, k, labels) if n and equal_count else None
     batch = SortedBatch(tree)
     if n == 0:
         return summarize(batch, [[] for _ in range(k)], model)
@@ -262,7 +261,9 @@ def _equal_count_candidates(
     if labels is None:
         return [runs]
     packed = group_packing(batch, k, model, labels, capacity=batch.n // k // group_size)
-    return [packed, runs] if _keeps_groups(runs, labels) else [packed]
+    per_part = batch.n // k
+    splits_none = np.isin(np.arange(per_part, batch.n, per_part), batch.allowed_cuts(labels)).all()
+    return [packed, runs] if splits_none else [packed]
 
 
 def _check_equal_count(n: int, k: int, labels: np.ndarray | None) -> int:
@@ -283,18 +284,6 @@ def _check_equal_count(n: int, k: int, labels: np.ndarray | None) -> int:
             "splitting groups."
         )
     return sizes[0]
-
-
-def _keeps_groups(parts: list[list[int]], labels: np.ndarray) -> bool:
-    """Whether every group of `labels` lies within one of `parts` (original indices)."""
-    part_of = np.empty(len(labels), dtype=np.int64)
-    for i, part in enumerate(parts):
-        part_of[part] = i
-    n_groups = int(labels.max()) + 1
-    lowest, highest = np.full(n_groups, len(parts), dtype=np.int64), np.full(n_groups, -1, dtype=np.int64)
-    np.minimum.at(lowest, labels, part_of)
-    np.maximum.at(highest, labels, part_of)
-    return bool((lowest == highest).all())
 
 
 def partition_for_ranks(seqs_or_tree, k: int, *, group_ids=None, cost_model: CostModel | None = None) -> Partition:
