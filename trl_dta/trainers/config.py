@@ -8,6 +8,7 @@ per kind of value: `True` is never a count, `2.0` is never a token budget, `nan`
 
 from __future__ import annotations
 
+import math
 import re
 import textwrap
 from dataclasses import dataclass, field, fields
@@ -20,7 +21,7 @@ from ..batch import SAMPLE_LAYOUTS
 from ..kernels import BACKENDS
 from ..parallel.fsdp2 import SCHEDULES
 from ..refusal import TRAINER_CONFIG, Blocker, refuse
-from .tree_advantages import ADVANTAGES, check_tree_args
+from .tree_advantages import ADVANTAGES, PER_TOKEN
 
 # The TRL minor versions the equivalence tests (`tests/trainers/`) run against. The trainers override TRL private
 # hooks (`_prepare_inputs`, `_get_per_token_logps_and_entropies`, `_compute_loss`) and read private attributes
@@ -250,7 +251,7 @@ class DTAArguments:
         self._validate_tree_types()
 
     def _validate_tree_types(self) -> None:
-        """The tree-rollout fields on their own (against TRL's fields: `tree_advantages.check_tree_args`)."""
+        """The tree-rollout fields on their own (their relation to TRL's fields: [`check_tree_args`])."""
         branching = self.dta_tree_branching
         if branching is not None:
             if isinstance(branching, (str, bytes)) or not hasattr(branching, "__iter__"):
@@ -348,6 +349,88 @@ def _config_doc(trainer: str, trl_config: str) -> str:
 """
         + dta_parameters_doc()
     )
+
+
+def check_tree_args(args) -> None:
+    """Tree rollouts against the TRL config they run in (a validated `DTAGRPOConfig`); errors name the fix."""
+    branching, length = args.dta_tree_branching, args.dta_tree_segment_length
+    if branching is None:
+        if length is not None or args.dta_tree_advantage != "group":
+            raise ValueError(
+                "`dta_tree_segment_length` and `dta_tree_advantage` shape tree rollouts, which are off: set "
+                "`dta_tree_branching` (e.g. [4, 2]) too, or leave them at their defaults."
+            )
+        return
+    off = "or set `dta_tree_branching=None` to sample completions independently as TRL does."
+    if math.prod(branching) != args.num_generations:
+        raise ValueError(
+            f"`dta_tree_branching={branching}` makes {math.prod(branching)} completions per prompt, but "
+            f"`num_generations={args.num_generations}`: the product of the branching factors must equal "
+            f"`num_generations` (e.g. `num_generations={math.prod(branching)}`), {off}"
+        )
+    if len(branching) > 1:
+        if length is None:
+            raise ValueError(
+                f"`dta_tree_branching={branching}` branches after each segment: set `dta_tree_segment_length` (tokens "
+                f"per segment before each branch point), {off}"
+            )
+        if length * (len(branching) - 1) >= args.max_completion_length:
+            raise ValueError(
+                f"`dta_tree_segment_length={length}` puts the last branch point of `dta_tree_branching={branching}` at "
+                f"completion token {length * (len(branching) - 1)}, not before `max_completion_length="
+                f"{args.max_completion_length}`: use a segment length below "
+                f"{math.ceil(args.max_completion_length / (len(branching) - 1))}, fewer levels, or a longer "
+                f"`max_completion_length`, {off}"
+            )
+    refused = {
+        "use_vllm": "vLLM generation (server or colocate) of tree rollouts is not implemented (it cannot be tested "
+        "here); use transformers generation (`use_vllm=False`)",
+        "use_transformers_continuous_batching": "continuous batching schedules rows itself; use "
+        "`use_transformers_continuous_batching=False`",
+        "cache_implementation": "tree rollouts sample over their own generation cache; leave "
+        "`cache_implementation=None`",
+    }
+    for name, why in refused.items():
+        if getattr(args, name, None):
+            raise ValueError(f"`dta_tree_branching` cannot be combined with `{name}={getattr(args, name)!r}`: {why}, "
+                             f"{off}")
+    if len(branching) > 1 and branching[0] == 1:
+        raise ValueError(
+            f"`dta_tree_branching={branching}` samples one first segment for all {args.num_generations} completions: "
+            "it is in every completion's baseline, so its expected gradient is zero under every `dta_tree_advantage`. "
+            f"Branch the first level at least twice (e.g. `{[2, *branching[1:]]}` with `num_generations` to match), "
+            f"{off}"
+        )
+    mode = args.dta_tree_advantage
+    if mode == "tree" and 1 in branching:
+        raise ValueError(
+            f"`dta_tree_advantage='tree'` compares a node with its siblings, so a level of one child "
+            f"(`dta_tree_branching={branching}`) gets exactly zero advantage and is never trained. Use at least 2 "
+            "children per level, or `dta_tree_advantage='unbiased'`, which has a baseline for every level."
+        )
+    if mode != "group" and args.dta_sample_layout == "per_turn":
+        raise ValueError(
+            f"`dta_tree_advantage={mode!r}` credits the segments of single-turn trees; "
+            "`dta_sample_layout='per_turn'` is for multi-turn episodes. Keep `dta_sample_layout='episode'`, or "
+            "`dta_tree_advantage='group'`."
+        )
+    if mode in PER_TOKEN:
+        per_sequence = "use `dta_tree_advantage='group'` or 'treepo' (one advantage per completion)"
+        if args.importance_sampling_level != "token":
+            raise ValueError(
+                f"`dta_tree_advantage={mode!r}` gives each token its segment's advantage, but "
+                f"`importance_sampling_level={args.importance_sampling_level!r}` (GSPO, LUSPO) weighs a completion by "
+                "one ratio, so its gradient mixes the segments' advantages into their mean over the completion. Set "
+                f"`importance_sampling_level='token'`, or {per_sequence}."
+            )
+        if args.loss_type == "vespo" or args.off_policy_mask_threshold is not None:
+            what = ("`loss_type='vespo'` picks its weights by the advantage's sign" if args.loss_type == "vespo"
+                    else "`off_policy_mask_threshold` masks by the advantage's sign")
+            raise ValueError(
+                f"`dta_tree_advantage={mode!r}` gives each token its segment's advantage, but {what}, which TRL "
+                f"decides per completion; with per-token advantages it would decide per token. Choose another "
+                f"`loss_type` / `off_policy_mask_threshold=None`, or {per_sequence}."
+            )
 
 
 @dataclass
