@@ -88,6 +88,8 @@ UNSUPPORTED_GENERATION = {
     "penalty_alpha": "contrastive search is not sampling",
     "cache_implementation": "tree rollouts sample over their own generation cache; leave `cache_implementation=None`",
 }
+# How every tree-rollout refusal ends: the setting that turns tree rollouts off.
+TREE_OFF = "or set `dta_tree_branching=None` to sample completions independently as TRL does."
 # Attributes that must have this value: tree rollouts sample, one sequence per row.
 REQUIRED_GENERATION = {"do_sample": True, "num_beams": 1, "num_return_sequences": 1}
 # `generate` overrides these in every call (`max_new_tokens` wins over `max_length`), so a checkpoint's value is inert.
@@ -125,7 +127,7 @@ def check_generation_config(generation_config, model=None) -> None:
             ([`effective_generation_config`]), so settings that come from the model's `generation_config.json` go
             through the same refusals.
     """
-    off = "or set `dta_tree_branching=None` for TRL's independent sampling."
+    off = TREE_OFF
     sources = [(generation_config, None, "Remove it from `generation_kwargs`")]
     if model is not None:
         sources.append((effective_generation_config(model, generation_config),

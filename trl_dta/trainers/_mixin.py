@@ -1,5 +1,6 @@
 """Dynamic Tree Attention inside TRL's trainers: the TRL hooks `DTAGRPOTrainer` and `DTARLOOTrainer` override. This
-is the one module that reads and writes TRL's private state; what it hands on are plain values.
+module reads and writes TRL's private state (elsewhere only `tree_rollouts.py`, TRL's generation context, and
+`envs/trl_rollout.py`, TRL's metrics); what it hands on are plain values.
 
 - `_prepare_inputs` (training): TRL's own, unless an opt-in regrouping applies (`micro_batches.py`: prompt groups kept
   in one micro-batch, `dta_group_shuffle`; groups exchanged between ranks, `dta_balance`). With

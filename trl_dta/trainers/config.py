@@ -18,6 +18,7 @@ from trl import GRPOConfig, RLOOConfig
 
 from .._checks import check_bool, check_choice, check_float, check_int, warn_once
 from ..batch import SAMPLE_LAYOUTS
+from ..generation.tree_sampling import TREE_OFF
 from ..kernels import BACKENDS
 from ..parallel.fsdp2 import SCHEDULES
 from ..refusal import TRAINER_CONFIG, Blocker, refuse
@@ -361,7 +362,7 @@ def check_tree_args(args) -> None:
                 "`dta_tree_branching` (e.g. [4, 2]) too, or leave them at their defaults."
             )
         return
-    off = "or set `dta_tree_branching=None` to sample completions independently as TRL does."
+    off = TREE_OFF
     if math.prod(branching) != args.num_generations:
         raise ValueError(
             f"`dta_tree_branching={branching}` makes {math.prod(branching)} completions per prompt, but "

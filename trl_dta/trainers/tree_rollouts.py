@@ -1,8 +1,8 @@
 """Tree rollouts inside a `GRPOTrainer`: the TRL side of `dta_tree_branching`. A prompt's `num_generations`
 completions are sampled as one tree by the generation package (`trl_dta/generation/tree_sampling.py`), trained once by
-DTA, credited by `dta_tree_advantage` (`tree_advantages.py`). This module only reads TRL's state (at construction:
-args, generation config, EOS and pad ids; per generation: the model unwrapped as TRL unwraps it for generation),
-calls the sampler and writes TRL's metrics.
+DTA, credited by `dta_tree_advantage` (`tree_advantages.py`). This module reads TRL's state (at construction: the
+settings tree rollouts cannot run with, the sampling settings, EOS and pad ids; per generation: the model unwrapped as
+TRL unwraps it for generation; the rank when scoring), calls the sampler and hands its metrics to the trainer.
 
 Rows. TRL's sampler repeats every prompt `num_generations` times in consecutive rows; `_generate_single_turn` must
 return one completion per row in that order. A group's rows receive its leaves in depth-first order (rows within a
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..generation.tree_sampling import RolloutTree, TreeSampler, check_generation_config
+from ..generation.tree_sampling import TREE_OFF, RolloutTree, TreeSampler, check_generation_config
 from .tree_advantages import tree_advantages
 
 
@@ -73,7 +73,7 @@ class TreeRollouts:
         branching = getattr(args, "dta_tree_branching", None)
         if branching is None:
             return None
-        off = "or set `dta_tree_branching=None` to sample completions independently as TRL does."
+        off = TREE_OFF
         if trainer._is_vlm:
             raise ValueError(f"Tree rollouts generate text only; a vision-language model's inputs need TRL's "
                              f"generation: {off}")
@@ -135,7 +135,7 @@ class TreeRollouts:
             trees, stats = self.sampler(model, groups)
         if self._open is not None:
             self._open.trees = trees
-        metrics = trainer._metrics["train" if trainer.model.training else "eval"]
+        metrics = trainer._dta_mode_metrics()
         for name, value in self.sampler.metrics(trees, stats).items():
             metrics[name].append(value)
         return [leaf for tree in trees for leaf in tree.leaves], None
