@@ -92,14 +92,14 @@ def analyze_help() -> str:
 
 
 def _strings(body: list[ast.stmt], into: dict[str, ast.expr]) -> dict[str, ast.expr]:
-    """Names assigned once, at this level, to a string expression (constant, f-string, sum) or a dict literal: what a
-    message embeds."""
+    """Names assigned once, at this level, to a string expression (constant, f-string, sum, another name) or a dict
+    literal: what a message embeds."""
     counts: dict[str, int] = {}
     for node in body:
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             name = node.targets[0].id
             counts[name] = counts.get(name, 0) + 1
-            if isinstance(node.value, (ast.Constant, ast.JoinedStr, ast.BinOp, ast.Dict)):
+            if isinstance(node.value, (ast.Constant, ast.JoinedStr, ast.BinOp, ast.Dict, ast.Name)):
                 into[name] = node.value
     for name, count in counts.items():
         if count > 1:
@@ -183,13 +183,35 @@ def _template_fixes(package: Path = PACKAGE) -> str:
     return "; ".join(out)
 
 
+def _imported_strings(trees: dict[tuple[str, ...], ast.Module]) -> dict[tuple[str, ...], dict[str, ast.expr]]:
+    """Each module's string names (`_strings` of its top level) plus those it imports from the package's modules by
+    `from .x import NAME` (a shared refusal sentence, e.g. `refusal.DENSE_FALLBACK`); one level of re-import."""
+    own = {key: _strings(tree.body, {}) for key, tree in trees.items()}
+    out = {}
+    for key, tree in trees.items():
+        names = dict(own[key])
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and node.level:
+                source = key[: len(key) - node.level] + tuple((node.module or "").split(".") if node.module else ())
+                for alias in node.names:
+                    value = own.get(source, own.get(source + ("__init__",), {})).get(alias.name)
+                    if value is not None and (alias.asname or alias.name) not in names:
+                        names[alias.asname or alias.name] = value
+        out[key] = names
+    return out
+
+
 def collect_refusals(package: Path = PACKAGE) -> list[dict]:
     """Every `raise SomeError(message, ...)` and every `Blocker(...)` under `package`: module path, function,
     exception (`DTAUnsupportedError` for a blocker: they are raised together in one), message."""
     found = []
-    for path in sorted(package.rglob("*.py")):
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        module_names = _strings(tree.body, {})
+    paths = sorted(package.rglob("*.py"))
+    keys = {path: path.relative_to(package.parent).with_suffix("").parts for path in paths}
+    trees = {keys[path]: ast.parse(path.read_text(encoding="utf-8")) for path in paths}
+    strings = _imported_strings(trees)
+    for path in paths:
+        tree = trees[keys[path]]
+        module_names = strings[keys[path]]
         module = path.relative_to(package.parent).as_posix()
 
         def visit(node, function, names, module=module):

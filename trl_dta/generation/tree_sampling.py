@@ -127,7 +127,6 @@ def check_generation_config(generation_config, model=None) -> None:
             ([`effective_generation_config`]), so settings that come from the model's `generation_config.json` go
             through the same refusals.
     """
-    off = TREE_OFF
     sources = [(generation_config, None, "Remove it from `generation_kwargs`")]
     if model is not None:
         sources.append((effective_generation_config(model, generation_config),
@@ -143,14 +142,14 @@ def check_generation_config(generation_config, model=None) -> None:
             default = None if defaults is None else defaults.get(name)
             if value is not None and value != default:
                 raise ValueError(f"dta_tree_branching: `{name}={value!r}` cannot be used with tree rollouts ({why}). "
-                                 f"{fix.format(name=name)}, {off}")
+                                 f"{fix.format(name=name)}, {TREE_OFF}")
         for name, required in REQUIRED_GENERATION.items():
             value = getattr(config, name, None)
             if value is not None and value != required:  # None: transformers' default, which is the required value
                 raise ValueError(
                     f"dta_tree_branching: tree rollouts sample, one sequence per row, so `{name}` must be "
                     f"{required!r} (got {value!r}). "
-                    f"{fix.format(name=name)} or set `generation_kwargs={{{name!r}: {required!r}}}`, {off}"
+                    f"{fix.format(name=name)} or set `generation_kwargs={{{name!r}: {required!r}}}`, {TREE_OFF}"
                 )
 
 

@@ -362,18 +362,17 @@ def check_tree_args(args) -> None:
                 "`dta_tree_branching` (e.g. [4, 2]) too, or leave them at their defaults."
             )
         return
-    off = TREE_OFF
     if math.prod(branching) != args.num_generations:
         raise ValueError(
             f"`dta_tree_branching={branching}` makes {math.prod(branching)} completions per prompt, but "
             f"`num_generations={args.num_generations}`: the product of the branching factors must equal "
-            f"`num_generations` (e.g. `num_generations={math.prod(branching)}`), {off}"
+            f"`num_generations` (e.g. `num_generations={math.prod(branching)}`), {TREE_OFF}"
         )
     if len(branching) > 1:
         if length is None:
             raise ValueError(
                 f"`dta_tree_branching={branching}` branches after each segment: set `dta_tree_segment_length` (tokens "
-                f"per segment before each branch point), {off}"
+                f"per segment before each branch point), {TREE_OFF}"
             )
         if length * (len(branching) - 1) >= args.max_completion_length:
             raise ValueError(
@@ -381,7 +380,7 @@ def check_tree_args(args) -> None:
                 f"completion token {length * (len(branching) - 1)}, not before `max_completion_length="
                 f"{args.max_completion_length}`: use a segment length below "
                 f"{math.ceil(args.max_completion_length / (len(branching) - 1))}, fewer levels, or a longer "
-                f"`max_completion_length`, {off}"
+                f"`max_completion_length`, {TREE_OFF}"
             )
     refused = {
         "use_vllm": "vLLM generation (server or colocate) of tree rollouts is not implemented (it cannot be tested "
@@ -394,13 +393,13 @@ def check_tree_args(args) -> None:
     for name, why in refused.items():
         if getattr(args, name, None):
             raise ValueError(f"`dta_tree_branching` cannot be combined with `{name}={getattr(args, name)!r}`: {why}, "
-                             f"{off}")
+                             f"{TREE_OFF}")
     if len(branching) > 1 and branching[0] == 1:
         raise ValueError(
             f"`dta_tree_branching={branching}` samples one first segment for all {args.num_generations} completions: "
             "it is in every completion's baseline, so its expected gradient is zero under every `dta_tree_advantage`. "
             f"Branch the first level at least twice (e.g. `{[2, *branching[1:]]}` with `num_generations` to match), "
-            f"{off}"
+            f"{TREE_OFF}"
         )
     mode = args.dta_tree_advantage
     if mode == "tree" and 1 in branching:

@@ -73,20 +73,19 @@ class TreeRollouts:
         branching = getattr(args, "dta_tree_branching", None)
         if branching is None:
             return None
-        off = TREE_OFF
         if trainer._is_vlm:
             raise ValueError(f"Tree rollouts generate text only; a vision-language model's inputs need TRL's "
-                             f"generation: {off}")
+                             f"generation: {TREE_OFF}")
         if trainer.rollout_func is not None:
             raise ValueError(
                 "`rollout_func` generates the completions itself, so `dta_tree_branching` would not apply. Branch "
-                f"inside the rollout function (e.g. `trl_dta.envs.AgentRolloutFunc(branching=...)`), {off}"
+                f"inside the rollout function (e.g. `trl_dta.envs.AgentRolloutFunc(branching=...)`), {TREE_OFF}"
             )
         if trainer.tools or trainer.environment_factories is not None:
             raise ValueError(
                 "TRL's tool loop (`tools=` / `environment_factory=`) continues every row on its own after the first "
                 "turn; tree rollouts of tool episodes are not implemented there. Branch multi-turn episodes with "
-                f"`trl_dta.envs.AgentRolloutFunc(branching=...)` as `rollout_func`, {off}"
+                f"`trl_dta.envs.AgentRolloutFunc(branching=...)` as `rollout_func`, {TREE_OFF}"
             )
         check_generation_config(trainer.generation_config, trainer.accelerator.unwrap_model(trainer.model))
         per_process = args.generation_batch_size // trainer.accelerator.num_processes
@@ -95,7 +94,7 @@ class TreeRollouts:
                 f"Tree rollouts sample a prompt's {args.num_generations} completions as one tree on one process, but "
                 f"each of the {trainer.accelerator.num_processes} processes generates {per_process} rows "
                 f"(`generation_batch_size={args.generation_batch_size}`), which splits prompt groups. Make "
-                f"`generation_batch_size / num_processes` a multiple of `num_generations`, {off}"
+                f"`generation_batch_size / num_processes` a multiple of `num_generations`, {TREE_OFF}"
             )
         sampler = TreeSampler(tuple(branching), args.dta_tree_segment_length, trainer.max_completion_length,
                               trainer.generation_config, tuple(trainer.eos_token_ids),
