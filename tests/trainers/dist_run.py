@@ -300,6 +300,10 @@ def train_one(args, dta: int, extra: dict, out, last: bool = True, construct_onl
         assert_fsdp2(trainer)
     elif args.expect == "deepspeed":
         assert_deepspeed(trainer)
+    elif args.processes > 1:  # DDP on CPU: accelerate's MULTI_CPU over gloo, not a silent one-process run
+        from accelerate.utils import DistributedType
+
+        assert trainer.accelerator.distributed_type == DistributedType.MULTI_CPU, trainer.accelerator.distributed_type
     if dta:
         assert trainer._dta_parallel.name == (args.expect or ("ddp" if args.processes > 1 else "local"))
     model = trainer.accelerator.unwrap_model(trainer.model)

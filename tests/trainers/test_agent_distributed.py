@@ -210,7 +210,7 @@ def main() -> None:
 
 def train_one(flags, out, last: bool = True) -> None:
     from accelerate import PartialState
-    from accelerate.utils import gather_object
+    from accelerate.utils import DistributedType, gather_object
 
     from trainers.conftest import make_args
     from trainers.test_layouts import ReplayRollout
@@ -230,6 +230,8 @@ def train_one(flags, out, last: bool = True) -> None:
                              rollout_func=ReplayRollout(domain, tokenizer, variants=G))
     state = PartialState()
     assert state.num_processes == flags.processes == trainer.accelerator.num_processes
+    if flags.processes > 1:  # the strategy that really ran: accelerate's MULTI_CPU (DDP over gloo)
+        assert trainer.accelerator.distributed_type == DistributedType.MULTI_CPU, trainer.accelerator.distributed_type
     initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()
     rows = gather_object([[(int((b["completion_mask"].sum(1) > 0).sum()), len(b["prompt_ids"]))
