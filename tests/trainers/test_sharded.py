@@ -34,7 +34,13 @@ FSDP2 = ["--use_fsdp", "--fsdp_version=2", "--fsdp_auto_wrap_policy=TRANSFORMER_
 
 
 def zero(stage: int) -> list[str]:
-    return ["--use_deepspeed", f"--zero_stage={stage}", "--gradient_clipping=0.0"]  # 1.0 would rescale the updates
+    """accelerate's DeepSpeed flags: no clipping (1.0 would rescale the updates). transformers refuses a DeepSpeed
+    `gradient_clipping` other than `max_grad_norm` (accelerate >= 1.16 passes 0.0 on; 1.15 dropped it), so every ZeRO
+    launch also runs with `max_grad_norm=0.0` (`NO_CLIPPING`)."""
+    return ["--use_deepspeed", f"--zero_stage={stage}", "--gradient_clipping=0.0"]
+
+
+NO_CLIPPING = {"max_grad_norm": 0.0}
 
 
 def launch(tmp_path, model_dir: str, engine: list[str], variants: str, expect: str, **flags) -> dict:
@@ -141,7 +147,8 @@ def test_fsdp2_matches_trl_under_fsdp2(tmp_path, model_dir, trainer, peft, beta,
 def test_zero_matches_trl_under_zero(tmp_path, model_dir, stage, trainer, peft):
     """DeepSpeed reduces no float64 gradients: float32 under ZeRO, judged against TRL's float64 run on the same fixed
     global batch in one process (`compare_as_precise`)."""
-    runs = launch(tmp_path, model_dir, zero(stage), "trl,dta", "deepspeed", trainer=trainer, peft=peft, steps=3)
+    runs = launch(tmp_path, model_dir, zero(stage), "trl,dta", "deepspeed", trainer=trainer, peft=peft, steps=3,
+                  **NO_CLIPPING)
     exact = run(tmp_path / "exact.pt", model_dir, 1, trainer=trainer, dta=0, peft=peft, steps=3, precision="fp64")
     compare_as_precise(runs["trl"], runs["dta"], exact, initial_values(model_dir, runs, peft))
     assert all(log["dta/dense_fallback"] == 0.0 for log in runs["dta"]["logs"])
@@ -159,7 +166,8 @@ def test_bf16_within_trls_bf16_error_under_the_engine(tmp_path, model_dir, engin
     the module to bf16 (no autocast) and steps float32 master weights. DTA's update is as close to TRL's float32 update
     (same engine) as TRL's own bf16 update; each run asserted the dtypes its optimizer steps ran in."""
     flags = {"fsdp2": FSDP2, "deepspeed": zero(2)}[engine]
-    runs = launch(tmp_path, model_dir, flags, variants, engine, trainer=trainer, peft=peft, **BF16_RUNS)
+    clipping = NO_CLIPPING if engine == "deepspeed" else {}
+    runs = launch(tmp_path, model_dir, flags, variants, engine, trainer=trainer, peft=peft, **BF16_RUNS, **clipping)
     assert_bf16_runs(runs)
 
 
