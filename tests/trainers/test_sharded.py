@@ -33,11 +33,12 @@ FSDP2 = ["--use_fsdp", "--fsdp_version=2", "--fsdp_auto_wrap_policy=TRANSFORMER_
          "--fsdp_state_dict_type=FULL_STATE_DICT", "--fsdp_reshard_after_forward=true"]
 
 
-def zero(stage: int) -> list[str]:
-    """accelerate's DeepSpeed flags: no clipping (1.0 would rescale the updates). transformers refuses a DeepSpeed
-    `gradient_clipping` other than `max_grad_norm` (accelerate >= 1.16 passes 0.0 on; 1.15 dropped it), so every ZeRO
-    launch also runs with `max_grad_norm=0.0` (`NO_CLIPPING`)."""
-    return ["--use_deepspeed", f"--zero_stage={stage}", "--gradient_clipping=0.0"]
+def zero(stage: int, clip: bool = False) -> list[str]:
+    """accelerate's DeepSpeed flags. `clip=False`: no clipping, so that the updates stay proportional to the gradients;
+    transformers refuses a DeepSpeed `gradient_clipping` other than `max_grad_norm` (accelerate >= 1.16 passes 0.0 on;
+    1.15 dropped it), so such a launch also runs with `max_grad_norm=0.0` (`NO_CLIPPING`). `clip=True`: what a user
+    gets, DeepSpeed's `"auto"` filled with TRL's default `max_grad_norm=1.0`."""
+    return ["--use_deepspeed", f"--zero_stage={stage}"] + ([] if clip else ["--gradient_clipping=0.0"])
 
 
 NO_CLIPPING = {"max_grad_norm": 0.0}
@@ -142,14 +143,21 @@ def test_fsdp2_matches_trl_under_fsdp2(tmp_path, model_dir, trainer, peft, beta,
         assert runs["dta_walk"]["collectives"] == runs["dta"]["collectives"]
 
 
-@pytest.mark.parametrize(("stage", "trainer", "peft"), [(2, "grpo", 0), (2, "rloo", 1), (1, "grpo", 1), (0, "rloo", 0)],
-                         ids=["zero2-grpo-full", "zero2-rloo-lora", "zero1-grpo-lora", "zero0-rloo-full"])
-def test_zero_matches_trl_under_zero(tmp_path, model_dir, stage, trainer, peft):
+@pytest.mark.parametrize(("stage", "trainer", "peft", "clip"),
+                         [(2, "grpo", 0, False), (2, "rloo", 1, False), (1, "grpo", 1, False), (0, "rloo", 0, False),
+                          (2, "grpo", 0, True)],
+                         ids=["zero2-grpo-full", "zero2-rloo-lora", "zero1-grpo-lora", "zero0-rloo-full",
+                              "zero2-grpo-full-clipped"])
+def test_zero_matches_trl_under_zero(tmp_path, model_dir, stage, trainer, peft, clip):
     """DeepSpeed reduces no float64 gradients: float32 under ZeRO, judged against TRL's float64 run on the same fixed
-    global batch in one process (`compare_as_precise`)."""
-    runs = launch(tmp_path, model_dir, zero(stage), "trl,dta", "deepspeed", trainer=trainer, peft=peft, steps=3,
-                  **NO_CLIPPING)
-    exact = run(tmp_path / "exact.pt", model_dir, 1, trainer=trainer, dta=0, peft=peft, steps=3, precision="fp64")
+    global batch in one process (`compare_as_precise`). `clip`: DeepSpeed clips to TRL's default `max_grad_norm`
+    (1.0), and every step's gradient norm is above it, so every update was rescaled."""
+    runs = launch(tmp_path, model_dir, zero(stage, clip), "trl,dta", "deepspeed", trainer=trainer, peft=peft,
+                  steps=3, **({} if clip else NO_CLIPPING))
+    exact = run(tmp_path / "exact.pt", model_dir, 1, trainer=trainer, dta=0, peft=peft, steps=3, precision="fp64",
+                **({} if clip else NO_CLIPPING))
+    if clip:  # the gradient norm (before clipping) above max_grad_norm at every step: every update was clipped
+        assert all(log["grad_norm"] > 1.0 for log in exact["logs"] + runs["trl"]["logs"]), exact["logs"]
     compare_as_precise(runs["trl"], runs["dta"], exact, initial_values(model_dir, runs, peft))
     assert all(log["dta/dense_fallback"] == 0.0 for log in runs["dta"]["logs"])
 
