@@ -183,8 +183,7 @@ def main() -> None:
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                         help="make_args's: fp64, fp32 or trl (bf16=True)")
     parser.add_argument("--learning_rate", type=float, default=LEARNING_RATE)
-    parser.add_argument("--max_grad_norm", type=float, default=1.0,
-                        help="TrainingArguments' (default 1.0); must equal DeepSpeed's `gradient_clipping`")
+    parser.add_argument("--max_grad_norm", type=float, default=None, help="TrainingArguments' (unset: its default)")
     parser.add_argument("--refused", default="", help="comma-separated variants whose trainer must refuse the setting "
                         "at construction: the error's type and message are saved instead of a run")
     args = parser.parse_args()
@@ -265,7 +264,7 @@ def train_one(args, dta: int, extra: dict, out, last: bool = True, construct_onl
         max_completion_length=4,
         beta=args.beta,  # > 0: reference log-probs recomputed for the fixed completions (`reference_logps`)
         learning_rate=args.learning_rate,
-        max_grad_norm=args.max_grad_norm,
+        **({} if args.max_grad_norm is None else {"max_grad_norm": args.max_grad_norm}),
         # fp64 (make_args loads the model in float64): MoE experts in their eager loop (the grouped matmul has none)
         model_init_kwargs={"experts_implementation": "eager"} if args.precision == "fp64" else None,
         **extra,

@@ -33,15 +33,13 @@ FSDP2 = ["--use_fsdp", "--fsdp_version=2", "--fsdp_auto_wrap_policy=TRANSFORMER_
          "--fsdp_state_dict_type=FULL_STATE_DICT", "--fsdp_reshard_after_forward=true"]
 
 
-def zero(stage: int, clip: bool = False) -> list[str]:
-    """accelerate's DeepSpeed flags. `clip=False`: no clipping, so that the updates stay proportional to the gradients;
-    transformers refuses a DeepSpeed `gradient_clipping` other than `max_grad_norm` (accelerate >= 1.16 passes 0.0 on;
-    1.15 dropped it), so such a launch also runs with `max_grad_norm=0.0` (`NO_CLIPPING`). `clip=True`: what a user
-    gets, DeepSpeed's `"auto"` filled with TRL's default `max_grad_norm=1.0`."""
-    return ["--use_deepspeed", f"--zero_stage={stage}"] + ([] if clip else ["--gradient_clipping=0.0"])
+def zero(stage: int) -> list[str]:
+    """accelerate's DeepSpeed flags. No `--gradient_clipping`: DeepSpeed's `"auto"`, which transformers fills with
+    the trainer's `max_grad_norm` (a differing explicit value is refused), as in the recipes' configs."""
+    return ["--use_deepspeed", f"--zero_stage={stage}"]
 
 
-NO_CLIPPING = {"max_grad_norm": 0.0}
+NO_CLIPPING = {"max_grad_norm": 0.0}  # the updates proportional to the gradients (TRL's default 1.0 rescales them)
 
 
 def launch(tmp_path, model_dir: str, engine: list[str], variants: str, expect: str, **flags) -> dict:
@@ -152,10 +150,11 @@ def test_zero_matches_trl_under_zero(tmp_path, model_dir, stage, trainer, peft, 
     """DeepSpeed reduces no float64 gradients: float32 under ZeRO, judged against TRL's float64 run on the same fixed
     global batch in one process (`compare_as_precise`). `clip`: DeepSpeed clips to TRL's default `max_grad_norm`
     (1.0), and every step's gradient norm is above it, so every update was rescaled."""
-    runs = launch(tmp_path, model_dir, zero(stage, clip), "trl,dta", "deepspeed", trainer=trainer, peft=peft,
-                  steps=3, **({} if clip else NO_CLIPPING))
+    clipping = {} if clip else NO_CLIPPING
+    runs = launch(tmp_path, model_dir, zero(stage), "trl,dta", "deepspeed", trainer=trainer, peft=peft, steps=3,
+                  **clipping)
     exact = run(tmp_path / "exact.pt", model_dir, 1, trainer=trainer, dta=0, peft=peft, steps=3, precision="fp64",
-                **({} if clip else NO_CLIPPING))
+                **clipping)
     if clip:  # the gradient norm (before clipping) above max_grad_norm at every step: every update was clipped
         assert all(log["grad_norm"] > 1.0 for log in exact["logs"] + runs["trl"]["logs"]), exact["logs"]
     compare_as_precise(runs["trl"], runs["dta"], exact, initial_values(model_dir, runs, peft))
