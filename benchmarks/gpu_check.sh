@@ -16,7 +16,7 @@
 #   correctness  every backend's DTAEngine.forward_backward vs the float64 oracle, fp32 and bf16 autocast, no worse
 #                than the dense path (Qwen2, Qwen3, Mistral window, Gemma 2 soft-cap; packed rows and walked segments)
 #   throughput-1.7b  dense-ckpt, dense, sparse, dta-torch, dta-triton on tau2-airline and grpo-p1024-g16-c256
-#   kernels      tests/kernels on CUDA (bf16/fp16 cases per backend, head_dim, mask kind)
+#   kernels      tests/attention_kernels on CUDA (bf16/fp16 cases per backend, head_dim, mask kind)
 #   trainer      GRPOTrainer vs DTAGRPOTrainer with TRL's defaults, Qwen3-0.6B
 #   prefix-memory    4096-token prompt, 4/32/128 siblings, Qwen3-1.7B
 #   throughput-0.6b  the throughput grid at Qwen3-0.6B
@@ -138,10 +138,10 @@ step env 60 $PY -m benchmarks.gpu_check env $DRY || { echo "FAIL: the environmen
 step correctness 100 $PY -m benchmarks.gpu_check correctness --out "$OUT" $DRY
 step throughput-1.7b 170 $PY -m benchmarks.gpu_bench throughput --shape qwen3-1.7b --out "$OUT" --deadline "$DEADLINE" $DRY
 if [ -n "$DRY" ]; then  # the CPU cases run in the main test suite: here only the collection and the CUDA skips
-    step kernels 60 $PY -m pytest -q -p no:cacheprovider tests/kernels --ignore=tests/kernels/test_triton_compile.py -k cuda
+    step kernels 60 $PY -m pytest -q -p no:cacheprovider tests/attention_kernels --ignore=tests/attention_kernels/test_triton_compile.py -k cuda
 else
     XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
-    step kernels 90 $PY -m pytest -q -p no:cacheprovider tests/kernels --ignore=tests/kernels/test_triton_compile.py \
+    step kernels 90 $PY -m pytest -q -p no:cacheprovider tests/attention_kernels --ignore=tests/attention_kernels/test_triton_compile.py \
         -k "cuda and not cpu" $XDIST
 fi
 step trainer 70 $PY -m benchmarks.gpu_bench trainer --shape qwen3-0.6b --out "$OUT" --deadline "$DEADLINE" $DRY

@@ -4,7 +4,7 @@ stack frame and shared memory per kernel x dtype x head_dim x mask flags x GPU a
 ```
 python -m benchmarks.triton_variants                         # sm_90 + sm_80, bf16 + fp16: results/triton-variants.csv
 python -m benchmarks.triton_variants --arch 90 --dtype bf16 --jobs 2 --out /tmp/variants.csv
-python -m benchmarks.triton_variants --selection ci          # what tests/kernels/test_triton_compile.py compiles
+python -m benchmarks.triton_variants --selection ci   # what tests/attention_kernels/test_triton_compile.py compiles
 ```
 
 A variant is what Triton compiles once: a kernel (`forward`, `dkdv`, `dq`), the input dtype (CUDA runs half precision

@@ -176,7 +176,7 @@ BACKEND_CASES = {
 
 
 # The Triton interpreter is slow: at engine level it runs the cases that reach every kernel path (packed rows, window,
-# padded siblings); tests/kernels covers each feature at op level.
+# padded siblings); tests/attention_kernels covers each feature at op level.
 TRITON_CASES = ("gqa-packed", "window-packed", "many-siblings")
 BACKEND_PARAMS = [pytest.param(backend.values[0], case, marks=backend.marks, id=f"{backend.values[0]}-{case}")
                   for backend in BACKENDS for case in BACKEND_CASES

@@ -22,8 +22,8 @@ the chain.
 
 The backend is available on a device when the ops are registered with a kernel for it: flash-attn's on CUDA (its
 import registers them); a package or test that registers ops of the same names and schemas for another device
-(`tests/kernels/flash_standin.py` does, on CPU) is used the same way. flash-attn is never built here (PyPI has only
-its source distribution, a 30-minute CUDA build): install a prebuilt wheel.
+(`tests/attention_kernels/flash_standin.py` does, on CPU) is used the same way. flash-attn is never built here (PyPI has
+only its source distribution, a 30-minute CUDA build): install a prebuilt wheel.
 """
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ dK/dV at head_dim 128 (sm_90 has 232,448 B). Under `TRITON_INTERPRET=1` (CPU, te
 on 16 x 16 tiles, so that small test shapes still cross several tiles and their edges.
 
 Launch configuration on CUDA ([`launch_config`]): per kernel the tile and the warps that compile spill-free for
-sm_90 at head_dim 64 and 128 with every mask flag on (`tests/kernels/test_triton_compile.py` compiles every variant
-offline, `benchmarks/triton_variants.py` records registers, spills and shared memory). One program per (tile, batch x
-head), on grid axis 0 (up to 2^31 - 1 programs; axis 1 would cap batch x heads at 65,535).
+sm_90 at head_dim 64 and 128 with every mask flag on (`tests/attention_kernels/test_triton_compile.py` compiles every
+variant offline, `benchmarks/triton_variants.py` records registers, spills and shared memory). One program per (tile,
+batch x head), on grid axis 0 (up to 2^31 - 1 programs; axis 1 would cap batch x heads at 65,535).
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from bounds import assert_as_precise_as_dense
-from tests.kernels import flash_standin
-from tests.kernels.reference import causal_case, packed_case, reference_attention
+from tests.attention_kernels import flash_standin
+from tests.attention_kernels.reference import causal_case, packed_case, reference_attention
 from trl_dta.kernels import PartMask, available_backends, part_kernels, resolve_backend, two_part_attention
 from trl_dta.kernels.flash_parts import flash_forward
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bounds import assert_as_precise_as_dense, chain_bound
-from tests.kernels.reference import causal_case, packed_case, reference_attention
+from tests.attention_kernels.reference import causal_case, packed_case, reference_attention
 from trl_dta.kernels import (
     AUTO,
     BACKENDS,
@@ -57,7 +57,7 @@ def _device_backends(cuda_only=()):
                 skip = "triton is not installed" if device == "cuda" else NO_TRITON_CPU
             elif backend == "flash" and (device == "cpu" or backend not in available_backends(device)):
                 if device == "cpu":
-                    continue  # flash-attn has no CPU kernels (tests/kernels/test_flash_standin.py registers some)
+                    continue  # flash-attn has no CPU kernels (test_flash_standin.py registers some)
                 skip = "flash-attn is not installed"
             if device == "cpu" and backend in cuda_only:
                 continue

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from bounds import assert_as_precise_as_dense, chain_bound
-from tests.kernels.reference import causal_case, packed_case, reference_attention
-from tests.kernels.test_two_part import CAUSAL, DEVICE_BACKENDS, PACKED, _on, _with, _worst
+from tests.attention_kernels.reference import causal_case, packed_case, reference_attention
+from tests.attention_kernels.test_two_part import CAUSAL, DEVICE_BACKENDS, PACKED, _on, _with, _worst
 from trl_dta.kernels import two_part_attention
 
 # Causal and packed cases of the two-part test, sinks added; "no-path" and "packed-no-path-gqa" merge the own part with
