@@ -86,6 +86,11 @@ class StateCarrier:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.path_length
 
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """0: the layers record only their final state (transformers 5.25 asks how many of the last tokens' states
+        to keep for speculative decoding, and scans those tokens one at a time)."""
+        return 0
+
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         return self._state(layer_idx, state_idx, 0)
 
