@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 import sys
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
+from trl import GRPOTrainer
 
 from test_rollout_io import SEQS, write_jsonl
 from trl_dta import tiny
@@ -104,8 +106,11 @@ def test_conversational_prompts_go_through_the_chat_template(tmp_path):
     (tmp_path / "completions").mkdir()
     pd.DataFrame(table).to_parquet(tmp_path / "completions" / "completions_00003.parquet")
     seqs, groups, steps = load_trl_completions(tmp_path, str(tmp_path / "tok"))
-    expected = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-                + tok(c, add_special_tokens=False)["input_ids"] for p, c in zip(table["prompt"], completions)]
+    # the prompts' ids from TRL's own tokenization (TRL 1.16's `GRPOTrainer._tokenize_prompts`, no tools)
+    trainer = SimpleNamespace(processing_class=tok, _is_vlm=False, environment_factories=None, tools=None,
+                              chat_template=None, chat_template_kwargs={})
+    prompt_ids, _, _ = GRPOTrainer._tokenize_prompts(trainer, table["prompt"])
+    expected = [list(p) + tok(c, add_special_tokens=False)["input_ids"] for p, c in zip(prompt_ids, completions)]
     assert seqs == expected and groups == [0, 0, 1, 1] and steps == [3] * 4
     # a tool-calling completion (several messages) cannot be rebuilt
     table["completion"][0] = [{"role": "assistant", "content": "x"}, {"role": "tool", "content": "y"}]
