@@ -94,7 +94,6 @@ def analyze(
     """
     from ..balance import CostModel
     from ..balance.partition import check_group_ids
-    from ..flops import dense_flops, tree_flops
     from ..memory import DTYPE_BYTES
     from ..tree import PrefixTree
 
@@ -122,31 +121,20 @@ def analyze(
     if k is not None:
         _check_splittable(batches, k, labels)
     cost_model = CostModel(hidden_size=shape.hidden_size)
-    totals = dict(batches=0, sequences=0, tokens=0, tree_tokens=0, max_len=0, max_segments_depth=0,
-                  dense_flops=0.0, tree_flops=0.0)
     balance = dict(max_share=[], imbalance=[], compression_kept=[])
     per_batch = []
     memory: dict = {}
     for i, (start, end) in enumerate(batches):
         episodes = _batch_tree(seqs, start, end, i)
         tree = episodes if rows is None else PrefixTree.from_sequences(training_rows(range(start, end)))
-        totals["batches"] += 1
-        totals["sequences"] += tree.n_sequences
-        totals["tokens"] += tree.n_tokens
-        totals["tree_tokens"] += tree.n_tree_tokens
-        totals["max_len"] = max(totals["max_len"], tree.max_path_len)
-        totals["max_segments_depth"] = max(totals["max_segments_depth"], tree.depth)
-        totals["dense_flops"] += dense_flops(tree.lengths, shape).total
-        totals["tree_flops"] += tree_flops(tree, shape).total
-        per_batch.append(dict(batch=i, step=None if steps is None else steps[start], sequences=tree.n_sequences,
-                              tokens=tree.n_tokens, tree_tokens=tree.n_tree_tokens,
-                              compression_ratio=tree.compression_ratio))
+        per_batch.append(_tree_stats(tree, shape, i, None if steps is None else steps[start]))
         forests = [tree]
         if k is not None:
             parts = _balance(episodes, k, None if labels is None else labels[start:end], cost_model, balance)
             forests = [PrefixTree.from_sequences(training_rows(start + j for j in part)) for part in parts]
         for forest in forests:
             _peak_memory(forest, shape, dtype, budgets, memory)
+    totals = _totals(per_batch)
     if not totals["sequences"]:
         raise AnalysisError("`rows` holds no training row: there is nothing to analyze")
     ideal = totals["dense_flops"] / totals["tree_flops"] if totals["tree_flops"] else 1.0
@@ -168,16 +156,42 @@ def analyze(
         "peak_memory": memory,
     }
     if k is not None:
-        n = len(balance["imbalance"])
-        result["balance"] = {
-            "imbalance": sum(balance["imbalance"]) / n,
-            "worst_imbalance": max(balance["imbalance"]),
-            "max_share": sum(balance["max_share"]) / n,
-            "compression_kept": sum(balance["compression_kept"]) / n,
-            "whole_groups": labels is not None,
-            "hidden_size": cost_model.hidden_size,
-        }
+        result["balance"] = _balance_summary(balance, labels is not None, cost_model.hidden_size)
     return result
+
+
+def _tree_stats(tree, shape, i: int, step: int | None) -> dict:
+    """Batch `i`'s row of `per_batch`: its tree's counts, compression and FLOPs (dense and tree)."""
+    from ..flops import dense_flops, tree_flops
+
+    return dict(batch=i, step=step, sequences=tree.n_sequences, tokens=tree.n_tokens, tree_tokens=tree.n_tree_tokens,
+                compression_ratio=tree.compression_ratio, max_len=tree.max_path_len, depth=tree.depth,
+                dense_flops=dense_flops(tree.lengths, shape).total, tree_flops=tree_flops(tree, shape).total)
+
+
+def _totals(per_batch: list[dict]) -> dict:
+    """The batches' counts and FLOPs summed in order, their lengths and depths' maximum."""
+    totals = dict(batches=len(per_batch), sequences=0, tokens=0, tree_tokens=0, max_len=0, max_segments_depth=0,
+                  dense_flops=0.0, tree_flops=0.0)
+    for b in per_batch:
+        for key in ("sequences", "tokens", "tree_tokens", "dense_flops", "tree_flops"):
+            totals[key] += b[key]
+        totals["max_len"] = max(totals["max_len"], b["max_len"])
+        totals["max_segments_depth"] = max(totals["max_segments_depth"], b["depth"])
+    return totals
+
+
+def _balance_summary(balance: dict, whole_groups: bool, hidden_size: int) -> dict:
+    """The balance row: each batch's split statistics averaged (the imbalance's worst kept too)."""
+    n = len(balance["imbalance"])
+    return {
+        "imbalance": sum(balance["imbalance"]) / n,
+        "worst_imbalance": max(balance["imbalance"]),
+        "max_share": sum(balance["max_share"]) / n,
+        "compression_kept": sum(balance["compression_kept"]) / n,
+        "whole_groups": whole_groups,
+        "hidden_size": hidden_size,
+    }
 
 
 def _batches(n: int, size: int | None, steps: list | None) -> list[tuple[int, int]]:
