@@ -124,7 +124,7 @@ _LISTED_BATCHES = 10
 def _compression_label(result: dict) -> str:
     if result["batches_known"] or result["sequences"] < 2:
         return "compression ratio (all batches)" if result["batches"] > 1 else "compression ratio"
-    return "compression ratio (all rows as one batch: unknown batches, see --batch-size)"
+    return "compression ratio (all rows as one batch)"
 
 
 def _per_batch_rows(result: dict) -> list[tuple[str, str]]:
