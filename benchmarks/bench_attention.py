@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from trl_dta.kernels import BACKENDS
+
 from . import common
 
 COLUMNS = ["backend", "device", "dtype", "layers", "n_heads", "n_kv_heads", "head_dim", "prompt", "completion",
@@ -127,7 +129,7 @@ def measure(backends, siblings: int, args) -> list[dict]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backends", nargs="+", default=["sdpa", "torch"])
+    parser.add_argument("--backends", nargs="+", default=["sdpa", "torch"], choices=BACKENDS)
     parser.add_argument("--siblings", nargs="+", type=int, default=[4, 32, 128])
     parser.add_argument("--prompt", type=int, default=4096)
     parser.add_argument("--completion", type=int, default=32)

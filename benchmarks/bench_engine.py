@@ -382,10 +382,12 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--scale", type=float, default=None,
                    help="length scale of all workloads (default: 0.5 GRPO / 0.25 multi-turn on CPU, 1 on GPU)")
-    p.add_argument("--methods", default=None, help="comma-separated (default: dense,dense-mb8,sparse,dta)")
+    p.add_argument("--methods", default=None, type=common.names(PROVIDERS, "method"),
+                   help="comma-separated (default: dense,dense-mb8,sparse,dta)")
     p.add_argument("--micro-batch-size", type=int, default=1, help="rows per micro-batch of `dense` and `dense+ckpt`")
     p.add_argument("--rounds", type=int, default=3, help="timed steps per method, interleaved (best kept)")
-    p.add_argument("--families", default="qwen", help=f"comma-separated, of {sorted(common.FAMILIES)}: each family "
+    p.add_argument("--families", default="qwen", type=common.names(common.FAMILIES, "family"),
+                   help=f"comma-separated, of {sorted(common.FAMILIES)}: each family "
                    "at the shape's width (rows `<workload>@<family>`)")
     p.add_argument("--workloads", default=None, help="comma-separated name prefixes to keep (e.g. grpo)")
     p.add_argument("--tag", default="")
@@ -396,7 +398,7 @@ def main(argv=None) -> None:
 
     cpu = args.device == "cpu"
     if args.prefix_memory:
-        methods = (args.methods or "dta-sdpa,dta").split(",")
+        methods = args.methods or ["dta-sdpa", "dta"]
         rows = prefix_memory(methods=methods, shape=args.model_shape or "bench-cpu-quick", device=args.device,
                              dtype=args.dtype, rounds=args.rounds, threads=args.threads if cpu else None)
         name = "prefix-memory" + (f"-{args.tag}" if args.tag else "")
@@ -415,11 +417,13 @@ def main(argv=None) -> None:
     else:
         grid = engine_workloads(1.0, 1.0, (16, 2048), vocab)
     if args.workloads:
-        grid = [w for w in grid if w.name.startswith(tuple(args.workloads.split(",")))]
+        prefixes = [w for w in args.workloads.split(",") if w]
+        common.prefixed(p, "--workloads", prefixes, [w.name for w in grid])
+        grid = [w for w in grid if w.name.startswith(tuple(prefixes))]
     cfg = MethodConfig(micro_batch_size=args.micro_batch_size)
-    methods = (args.methods or "dense,dense-mb8,sparse,dta").split(",")
+    methods = args.methods or ["dense", "dense-mb8", "sparse", "dta"]
     rows = []
-    for family in args.families.split(","):
+    for family in args.families:
         rows += run_grid(grid, methods, shape, args.device, args.dtype, cfg, rounds=args.rounds,
                          isolate=not args.no_isolate, threads=args.threads if cpu else None, family=family)
     name = "engine" + ("-quick" if args.quick else "") + (f"-{args.tag}" if args.tag else "")

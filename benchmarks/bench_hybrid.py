@@ -23,10 +23,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from trl_dta.flops import get_model_shape
+from trl_dta.flops import MODEL_SHAPES, get_model_shape
 
 from . import common, workloads
-from .bench_engine import MethodConfig, run_grid
+from .bench_engine import PROVIDERS, MethodConfig, run_grid
 
 SHAPES = ("bench-cpu-quick", "bench-qwen3.5-quick", "bench-nemotron-h-quick")
 FAMILY = {"bench-cpu-quick": "attention (Qwen2)", "bench-qwen3.5-quick": "Gated DeltaNet (Qwen3.5)",
@@ -35,10 +35,13 @@ COLUMNS = ["model_shape", "workload", "method", "n_tokens", "n_tree_tokens", "id
            "speedup_vs_dense", "dense_ref", "fraction_of_ideal", "peak_mem_mb", "mem_vs_dense", "loadavg", "error"]
 
 
+# The workloads by name, each built for a vocabulary size.
+WORKLOADS = {"grpo": lambda vocab: workloads.grpo(1024, 16, 256, scale=0.25, vocab_size=vocab),
+             "multi_turn": lambda vocab: workloads.multi_turn(scale=0.125, vocab_size=vocab)}
+
+
 def grid(names, vocab: int) -> list[workloads.Workload]:
-    builders = {"grpo": lambda: workloads.grpo(1024, 16, 256, scale=0.25, vocab_size=vocab),
-                "multi_turn": lambda: workloads.multi_turn(scale=0.125, vocab_size=vocab)}
-    return [builders[name]() for name in names]
+    return [WORKLOADS[name](vocab) for name in names]
 
 
 def plot(rows: list[dict], png_path) -> Path:
@@ -73,18 +76,18 @@ def plot(rows: list[dict], png_path) -> Path:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default=",".join(SHAPES))
-    p.add_argument("--workloads", default="grpo,multi_turn")
-    p.add_argument("--methods", default="dense,dense-mb8,dta")
+    p.add_argument("--shapes", default=",".join(SHAPES), type=common.names(MODEL_SHAPES, "model shape"))
+    p.add_argument("--workloads", default=",".join(WORKLOADS), type=common.names(WORKLOADS, "workload"))
+    p.add_argument("--methods", default="dense,dense-mb8,dta", type=common.names(PROVIDERS, "method"))
     p.add_argument("--rounds", type=int, default=2, help="timed steps per method, interleaved (best kept)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run (1: no OpenMP oversubscription)")
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
     rows = []
-    for shape in args.shapes.split(","):
+    for shape in args.shapes:
         common.log(f"#### {shape}: {FAMILY.get(shape, shape)}")
-        loads = grid(args.workloads.split(","), get_model_shape(shape).vocab_size)
-        rows += run_grid(loads, args.methods.split(","), shape, "cpu", "fp32", MethodConfig(), rounds=args.rounds,
+        loads = grid(args.workloads, get_model_shape(shape).vocab_size)
+        rows += run_grid(loads, args.methods, shape, "cpu", "fp32", MethodConfig(), rounds=args.rounds,
                          threads=args.threads)  # ratios per shape: each model against its own dense runs
     name = "hybrid" + (f"-{args.tag}" if args.tag else "")
     path = common.write_csv(rows, f"benchmarks/results/{name}.csv")

@@ -473,7 +473,7 @@ def main(argv=None) -> None:
     p.add_argument("--model-shape", default=None)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="fp32")
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--methods", default=",".join(METHODS), type=common.names(METHODS, "method"))
     p.add_argument("--micro-batch-size", type=int, default=0,
                    help="per_device_train_batch_size (default 0: one group per micro-batch, the group size)")
     p.add_argument("--steps", type=int, default=2, help="timed optimizer steps (after one warm-up step)")
@@ -516,7 +516,7 @@ def main(argv=None) -> None:
     rows = []
     for w, prompt_len, group in grid:
         common.log(f"== {w.name} ({w.description})")
-        for method in args.methods.split(","):
+        for method in args.methods:
             try:
                 row = common.run_isolated(measure, w, prompt_len, group, method, shape, args.device, args.dtype,
                                           args.micro_batch_size or group, args.steps, threads,

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from trl_dta.flops import MODEL_SHAPES
+
 from . import common
 from .bench_tree_rollouts import tiny_shape
 
@@ -146,7 +148,8 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--branchings", nargs="+", default=["2x2x2", "4x2"], help="e.g. 2x2x2 4x2")
     parser.add_argument("--completion-len", type=int, default=96)
-    parser.add_argument("--shapes", nargs="+", default=["tiny"], help="`tiny` or trl_dta.flops names")
+    parser.add_argument("--shapes", nargs="+", default=["tiny"], choices=["tiny", *MODEL_SHAPES],
+                        help="`tiny` or trl_dta.flops names")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     common.set_threads(args.threads)

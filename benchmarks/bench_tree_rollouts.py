@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from trl_dta.flops import MODEL_SHAPES
+
 from . import common, workloads
 
 METHODS = ("trl", "independent", "tree")
@@ -199,7 +201,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="GRPO grid at 1/8 scale, tiny and bench-cpu-quick models")
     parser.add_argument("--scale", type=float, default=None, help="length scale of the GRPO grid (default 1/8 quick)")
-    parser.add_argument("--shapes", nargs="+", default=None, help="model shapes (`tiny` or trl_dta.flops names)")
+    parser.add_argument("--shapes", nargs="+", default=None, choices=["tiny", *MODEL_SHAPES],
+                        help="model shapes (`tiny` or trl_dta.flops names)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--prompts", type=int, default=2, help="prompts per optimizer step")
     parser.add_argument("--steps", type=int, default=1, help="timed steps after one warm-up step")

@@ -18,6 +18,7 @@ above the allocation at the same point on GPU.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import gc
 import math
@@ -541,6 +542,36 @@ def plot(csv_path: str | Path, png_path: str | Path | None = None) -> Path:
     fig.savefig(png_path, dpi=120)
     plt.close(fig)
     return png_path
+
+
+def names(known: Sequence[str], what: str) -> Callable[[str], list[str]]:
+    """An argparse `type` for a comma-separated list of names, each one of `known`.
+
+    An unknown name (or an empty list) fails the parse before anything runs: argparse exits with status 2 and a message
+    naming the flag, the unknown names and the known ones, instead of a run that measures nothing.
+
+    Args:
+        known (sequence of `str`): the accepted names (methods, workloads, shapes).
+        what (`str`): what a name is, for the message (`"method"`, `"workload"`).
+    """
+    known = list(known)
+
+    def parse(text: str) -> list[str]:
+        items = [name for name in text.split(",") if name]
+        unknown = [name for name in items if name not in known]
+        if unknown or not items:
+            raise argparse.ArgumentTypeError(f"unknown {what} {unknown or text!r}; choose from {known}")
+        return items
+
+    return parse
+
+
+def prefixed(parser: argparse.ArgumentParser, flag: str, prefixes: Sequence[str], names: Sequence[str]) -> None:
+    """Fail the parse (`parser.error`, status 2) when a prefix of `flag` selects none of `names`, naming the known
+    ones."""
+    unknown = [p for p in prefixes if not any(name.startswith(p) for name in names)]
+    if unknown:
+        parser.error(f"argument {flag}: no name starts with {unknown}; choose from {list(names)}")
 
 
 def log(msg: str) -> None:

@@ -84,6 +84,7 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="fp32", help="fp32, bf16, fp16, fp64")
     p.add_argument("--methods", default="dense,dense-mb8,dense+ckpt,sparse,dta,dta-lowmem",
+                   type=common.names(PROVIDERS, "method"),
                    help=f"comma-separated, from {list(PROVIDERS)}")
     p.add_argument("--workloads", default="", help="comma-separated workload names (default: all)")
     p.add_argument("--micro-batch-size", type=int, default=1,
@@ -109,13 +110,12 @@ def main(argv=None) -> None:
     cpu = args.device == "cpu"
     shape = args.model_shape or ("bench-cpu" if full else "bench-cpu-quick")
     threads = args.threads if args.threads is not None else (1 if cpu else None)
-    methods = [m for m in args.methods.split(",") if m]
-    unknown = [m for m in methods if m not in PROVIDERS]
-    if unknown:
-        p.error(f"unknown methods {unknown}; choose from {list(PROVIDERS)}")
     vocab = min(get_model_shape(shape).vocab_size, 32768)
-    grid = workloads.by_name(workloads.suite("full" if full else "quick", vocab_size=vocab),
-                             [w for w in args.workloads.split(",") if w])
+    try:
+        grid = workloads.by_name(workloads.suite("full" if full else "quick", vocab_size=vocab),
+                                 [w for w in args.workloads.split(",") if w])
+    except ValueError as e:
+        p.error(f"argument --workloads: {e}")
     cfg = MethodConfig(
         micro_batch_size=args.micro_batch_size,
         sparse_attention=args.sparse_attention,
@@ -126,7 +126,7 @@ def main(argv=None) -> None:
     )
     name = args.name or ("full" if full else "quick") + ("" if cpu else f"-{args.device}-{args.dtype}")
     start = time.perf_counter()
-    rows = run_grid(grid, methods, shape, args.device, args.dtype, cfg, rounds=args.rounds,
+    rows = run_grid(grid, args.methods, shape, args.device, args.dtype, cfg, rounds=args.rounds,
                     isolate=not args.no_isolate, threads=threads)
     elapsed = time.perf_counter() - start
     csv_path = common.write_csv(rows, RESULTS / f"{name}.csv")

@@ -47,7 +47,7 @@ GROUPS = (
      ("trl_dta/envs/",)),
     ("Balancing ranks yourself", "`partition`, `partition_for_ranks`, `CostModel`", ("trl_dta/balance/",)),
     ("The analyzer", "`trl-dta analyze` and what it calls (reading rollouts, FLOP and memory estimates)",
-     ("trl_dta/cli.py", "trl_dta/rollout_io.py", "trl_dta/flops.py", "trl_dta/memory.py")),
+     ("trl_dta/cli.py", "trl_dta/analysis/", "trl_dta/flops.py", "trl_dta/memory.py")),
     ("The embedded default and the package", "`trl_dta.tiny` (the recipes' tiny model and task), `import trl_dta`",
      ("trl_dta/tiny.py", "trl_dta/__init__.py")),
 )

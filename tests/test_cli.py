@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from test_rollout_io import COMPLETIONS, GROUPS, PROMPTS, SEQS, run_json, write_jsonl
+from trl_dta.analysis import AnalysisError, analyze, load_sequences
 from trl_dta.balance import CostModel, partition_for_ranks
-from trl_dta.cli import AnalysisError, analyze, main
+from trl_dta.cli import main
 from trl_dta.flops import get_model_shape, ideal_ratio
 from trl_dta.memory import ATTN_BACKENDS, peak_memory
-from trl_dta.rollout_io import load_sequences
 from trl_dta.tree import PrefixTree
 
 

@@ -1,4 +1,4 @@
-"""Reading rollouts for `trl-dta analyze` (`rollout_io.py`): sequence formats and their errors, conversations
+"""Reading rollouts for `trl-dta analyze` (`analysis/rollout_io.py`): sequence formats and their errors, conversations
 (`messages` through a chat template, `turns` of token ids) and their layouts, checked against the trainers' per-turn
 expansion (`trainers/layouts.py`) and the environment's episodes (`envs/rollout.py`)."""
 
@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
+from trl_dta.analysis import layout_rows, load_conversations, load_sequences
 from trl_dta.cli import main
 from trl_dta.envs import Generation, RetailDomain, layout_sequences, play_episodes
-from trl_dta.rollout_io import layout_rows, load_conversations, load_sequences
 from trl_dta.tiny import build_tokenizer
 from trl_dta.trainers.layouts import expand_per_turn
 from trl_dta.tree import PrefixTree

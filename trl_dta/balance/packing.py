@@ -187,6 +187,116 @@ def _blocks(positions: np.ndarray) -> list[tuple[int, int]]:
     return [(int(positions[a]), int(positions[b - 1]) + 1) for a, b in zip(starts, ends)]
 
 
+class _Packing:
+    """The state of one packing: the atoms' blocks and own costs, each rank's [`RankForest`] and atoms, exact costs.
+
+    Args:
+        batch (`SortedBatch`): the batch in sorted order.
+        atoms (`list[np.ndarray]`): sorted positions per atom.
+        k (`int`): number of ranks.
+        model (`CostModel`): the cost of a rank's forest.
+        lcp (`LcpTable`): the batch's LCP table.
+    """
+
+    def __init__(self, batch: SortedBatch, atoms: list[np.ndarray], k: int, model: CostModel, lcp: LcpTable):
+        self.batch, self.k, self.model = batch, k, model
+        self.block_cache: dict[tuple[int, int], list[int]] = {}
+        lengths = batch.lengths.tolist()
+        self.atom_blocks = [_blocks(a) for a in atoms]
+        self.atom_cost = []
+        for blocks in self.atom_blocks:
+            probe = RankForest(lengths, lcp, self.block_stats)
+            probe.insert(blocks)
+            self.atom_cost.append(self.cost(probe.components))
+        self.ranks = [RankForest(lengths, lcp, self.block_stats) for _ in range(k)]
+        self.members: list[list[int]] = [[] for _ in range(k)]
+
+    def block_stats(self, l: int, r: int) -> list[int]:
+        """`[sequences, tree_tokens, attention_work, leaves]` of the block `[l, r)` on its own (cached)."""
+        if (l, r) not in self.block_cache:
+            seqs, _, tree_tokens, att, leaves = self.batch.run_stats(l, r)
+            self.block_cache[l, r] = [int(seqs), int(tree_tokens), int(att), int(leaves)]
+        return self.block_cache[l, r]
+
+    def cost(self, c: list[int]) -> float:
+        """The cost model's value of a forest's `components`."""
+        m = self.model
+        return m.token_cost * c[1] + m.attention_cost * c[2] + m.leaf_cost * c[3] + (m.fixed_cost if c[0] > 0 else 0.0)
+
+    def cost_after(self, rank: int, out: int | None, into: int | None) -> float:
+        """Exact cost of `rank` after removing atom `out` and adding atom `into` (either may be None)."""
+        forest = self.ranks[rank]
+        if out is None and into is not None and len(self.atom_blocks[into]) == 1:
+            delta = forest.insert_delta(*self.atom_blocks[into][0])
+            return self.cost([c + d for c, d in zip(forest.components, delta)])
+        forest = forest.copy()
+        if out is not None:
+            forest.remove(self.atom_blocks[out])
+        if into is not None:
+            forest.insert(self.atom_blocks[into])
+        return self.cost(forest.components)
+
+    def apply(self, rank: int, out: int | None, into: int | None) -> None:
+        """Remove atom `out` from `rank` and add atom `into` (either may be None)."""
+        if out is not None:
+            self.ranks[rank].remove(self.atom_blocks[out])
+            self.members[rank].remove(out)
+        if into is not None:
+            self.ranks[rank].insert(self.atom_blocks[into])
+            self.members[rank].append(into)
+
+    def place_largest_first(self, capacity: int | None) -> None:
+        """Largest atom first, each onto the rank whose cost after adding it is smallest (the first `k` atoms one per
+        rank, so that no rank stays empty), among the ranks below `capacity` atoms."""
+        k = self.k
+        for rank_order, a in enumerate(sorted(range(len(self.atom_blocks)), key=lambda a: -self.atom_cost[a])):
+            if rank_order < k:
+                self.apply(rank_order, None, a)
+                continue
+            open_ranks = [r for r in range(k) if capacity is None or len(self.members[r]) < capacity]
+            self.apply(min(open_ranks, key=lambda r: (self.cost_after(r, None, a), r)), None, a)
+
+    def improve(self, capacity: int | None) -> None:
+        """Local search: moves (without `capacity`) and swaps out of the most loaded rank while they lower it.
+
+        Each accepted step lowers the heaviest rank and leaves the other below the heaviest's old load, so the sorted
+        load vector decreases lexicographically and the loop ends. Moves are screened by their exact effect, swaps by
+        the difference of the two atoms' own costs; the best few are then checked exactly.
+        """
+        k, members, atom_cost, cost_after = self.k, self.members, self.atom_cost, self.cost_after
+        load = [self.cost(f.components) for f in self.ranks]
+        for _ in range(8 * len(self.atom_blocks) + 16):
+            heavy = max(range(k), key=load.__getitem__)
+            options = []  # (estimated max of the two new loads, other rank, atom leaving heavy, atom entering heavy)
+            movable = capacity is None and len(members[heavy]) > 1
+            for x in members[heavy]:
+                left = cost_after(heavy, x, None) if movable else None
+                for r in range(k):
+                    if r == heavy:
+                        continue
+                    if movable:
+                        options.append((max(left, cost_after(r, None, x)), r, x, None))
+                    for y in members[r]:
+                        delta = atom_cost[x] - atom_cost[y]
+                        if delta > 0:
+                            options.append((max(load[heavy] - delta, load[r] + delta), r, x, y))
+            options = sorted(o for o in options if o[0] < load[heavy])[:8]
+            best = None
+            for _, r, x, y in options:
+                new_heavy, new_other = cost_after(heavy, x, y), cost_after(r, y, x)
+                if max(new_heavy, new_other) < load[heavy] and (best is None or max(new_heavy, new_other) < best[0]):
+                    best = (max(new_heavy, new_other), r, x, y, new_heavy, new_other)
+            if best is None:
+                break
+            _, r, x, y, load[heavy], load[r] = best
+            self.apply(heavy, x, y)
+            self.apply(r, y, x)
+
+    def parts(self) -> list[list[int]]:
+        """Original sequence indices per rank."""
+        return [self.batch.order[f.positions()].tolist() for f in self.ranks]
+
+
 def pack(
     batch: SortedBatch,
     atoms: list[np.ndarray],
@@ -203,88 +313,7 @@ def pack(
     Costs are exact throughout ([`RankForest`] updates a rank's statistics in O(log n) per block). `lcp`: the batch's
     [`LcpTable`], when the caller packs the same batch more than once.
     """
-    lengths = batch.lengths.tolist()
-    lcp = LcpTable(batch.lcp) if lcp is None else lcp
-    block_cache: dict[tuple[int, int], list[int]] = {}
-
-    def block_stats(l, r):
-        if (l, r) not in block_cache:
-            seqs, _, tree_tokens, att, leaves = batch.run_stats(l, r)
-            block_cache[l, r] = [int(seqs), int(tree_tokens), int(att), int(leaves)]
-        return block_cache[l, r]
-
-    tc, ac, lc, fc = model.token_cost, model.attention_cost, model.leaf_cost, model.fixed_cost
-
-    def cost(c) -> float:
-        return tc * c[1] + ac * c[2] + lc * c[3] + (fc if c[0] > 0 else 0.0)
-
-    atom_blocks = [_blocks(a) for a in atoms]
-    atom_cost = []
-    for blocks in atom_blocks:
-        probe = RankForest(lengths, lcp, block_stats)
-        probe.insert(blocks)
-        atom_cost.append(cost(probe.components))
-
-    ranks = [RankForest(lengths, lcp, block_stats) for _ in range(k)]
-    members: list[list[int]] = [[] for _ in range(k)]
-
-    def cost_after(rank: int, out: int | None, into: int | None) -> float:
-        """Exact cost of `rank` after removing atom `out` and adding atom `into` (either may be None)."""
-        forest = ranks[rank]
-        if out is None and into is not None and len(atom_blocks[into]) == 1:
-            delta = forest.insert_delta(*atom_blocks[into][0])
-            return cost([c + d for c, d in zip(forest.components, delta)])
-        forest = forest.copy()
-        if out is not None:
-            forest.remove(atom_blocks[out])
-        if into is not None:
-            forest.insert(atom_blocks[into])
-        return cost(forest.components)
-
-    def apply(rank: int, out: int | None, into: int | None) -> None:
-        if out is not None:
-            ranks[rank].remove(atom_blocks[out])
-            members[rank].remove(out)
-        if into is not None:
-            ranks[rank].insert(atom_blocks[into])
-            members[rank].append(into)
-
-    for rank_order, a in enumerate(sorted(range(len(atoms)), key=lambda a: -atom_cost[a])):
-        if rank_order < k:
-            apply(rank_order, None, a)
-            continue
-        open_ranks = [r for r in range(k) if capacity is None or len(members[r]) < capacity]
-        apply(min(open_ranks, key=lambda r: (cost_after(r, None, a), r)), None, a)
-
-    # Local search: each accepted step lowers the heaviest rank and leaves the other below the heaviest's old load, so
-    # the sorted load vector decreases lexicographically and the loop ends. Moves are screened by their exact effect,
-    # swaps by the difference of the two atoms' own costs; the best few are then checked exactly.
-    load = [cost(f.components) for f in ranks]
-    for _ in range(8 * len(atoms) + 16):
-        heavy = max(range(k), key=load.__getitem__)
-        options = []  # (estimated max of the two new loads, other rank, atom leaving heavy, atom entering heavy)
-        movable = capacity is None and len(members[heavy]) > 1
-        for x in members[heavy]:
-            left = cost_after(heavy, x, None) if movable else None
-            for r in range(k):
-                if r == heavy:
-                    continue
-                if movable:
-                    options.append((max(left, cost_after(r, None, x)), r, x, None))
-                for y in members[r]:
-                    delta = atom_cost[x] - atom_cost[y]
-                    if delta > 0:
-                        options.append((max(load[heavy] - delta, load[r] + delta), r, x, y))
-        options = sorted(o for o in options if o[0] < load[heavy])[:8]
-        best = None
-        for _, r, x, y in options:
-            new_heavy, new_other = cost_after(heavy, x, y), cost_after(r, y, x)
-            if max(new_heavy, new_other) < load[heavy] and (best is None or max(new_heavy, new_other) < best[0]):
-                best = (max(new_heavy, new_other), r, x, y, new_heavy, new_other)
-        if best is None:
-            break
-        _, r, x, y, load[heavy], load[r] = best
-        apply(heavy, x, y)
-        apply(r, y, x)
-    order = batch.order
-    return [order[f.positions()].tolist() for f in ranks]
+    packing = _Packing(batch, atoms, k, model, LcpTable(batch.lcp) if lcp is None else lcp)
+    packing.place_largest_first(capacity)
+    packing.improve(capacity)
+    return packing.parts()

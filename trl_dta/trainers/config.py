@@ -1,16 +1,13 @@
 """Configuration of the DTA trainers: the `dta_*` options, the two configs, and the TRL settings DTA refuses.
 
 [`DTAArguments`] holds the `dta_*` fields, grouped by concern; each field's `help` text is the one source of its
-documentation (the configs' docstrings are generated from it by [`dta_parameters_doc`]). [`DTAGRPOConfig`] and
-[`DTARLOOConfig`] are TRL's configs plus these fields, validated in `__post_init__` with `trl_dta._checks` (one rule
-per kind of value: `True` is never a count, `2.0` is never a token budget, `nan` is never a threshold).
-"""
+documentation (the configs' docstrings and the docs' page are rendered from it by `config_doc.py`). [`DTAGRPOConfig`]
+and [`DTARLOOConfig`] are TRL's configs plus these fields, validated in `__post_init__` with `trl_dta._checks` (one rule
+per kind of value: `True` is never a count, `2.0` is never a token budget, `nan` is never a threshold). """
 
 from __future__ import annotations
 
 import math
-import re
-import textwrap
 from dataclasses import dataclass, field, fields
 
 import trl
@@ -22,6 +19,7 @@ from ..generation.tree_sampling import TREE_OFF
 from ..kernels import BACKENDS
 from ..parallel.fsdp2 import SCHEDULES
 from ..refusal import TRAINER_CONFIG, Blocker, refuse
+from .config_doc import config_docstring, parameters_doc, parameters_markdown
 from .tree_advantages import ADVANTAGES, PER_TOKEN
 
 # The TRL minor versions the equivalence tests (`tests/trainers/`) run against. The trainers override TRL private
@@ -288,68 +286,15 @@ _SECTIONS = (
     ("Parameters that sample completions as trees (tree rollouts)",
      ("dta_tree_branching", "dta_tree_segment_length", "dta_tree_advantage")),
 )
-_TYPE_NAMES = {"bool": "bool", "int": "int", "float": "float", "str": "str", "int | None": "int` or `None",
-               "list[int] | None": "list[int]` or `None"}
-
-
-def _type_name(f) -> str:
-    """A `DTAArguments` field's type as the docs show it, from the class's annotations (strings, `from __future__ import
-    annotations`): not `f.type`, which `HfArgumentParser` replaces in place when a config is parsed (`list[int] | None`
-    becomes `list[int]`)."""
-    annotation = next(c.__dict__["__annotations__"][f.name] for c in DTAArguments.__mro__
-                      if f.name in c.__dict__.get("__annotations__", {}))
-    return _TYPE_NAMES[annotation]
-
-
 def dta_parameters_doc() -> str:
     """The `dta_*` parameters in the Hugging Face docstring format, from the fields' help text (one source)."""
-    by_name = {f.name: f for f in fields(DTAArguments)}
-    lines = ["    Parameters:"]
-    for title, names in _SECTIONS:
-        lines += [f"        > {title}", ""]
-        for name in names:
-            f = by_name[name]
-            lines.append(f"        {f.name} (`{_type_name(f)}`, *optional*, defaults to `{f.default}`):")
-            lines += textwrap.wrap(f.metadata["help"], width=116, initial_indent=" " * 12, subsequent_indent=" " * 12)
-        lines.append("")
-    return "\n".join(lines)
+    return parameters_doc(DTAArguments, _SECTIONS)
 
 
 def dta_parameters_markdown() -> str:
     """The `dta_*` parameters as Markdown (the docs site's configuration page), from the same help text as
-    [`dta_parameters_doc`]: a table of every field with its type, default and first sentence, then each field's whole
-    help text under its section's title. `docs/hooks.py` puts it into `docs/config.md` at build time."""
-    by_name = {f.name: f for f in fields(DTAArguments)}
-    listed = [name for _, names in _SECTIONS for name in names]
-    missing = sorted(set(by_name) - set(listed))
-    if missing:  # a new field must be given a section (and so a place in the docstrings and the docs)
-        raise RuntimeError(f"`DTAArguments` fields without a section in `_SECTIONS`: {missing}")
-    rows = ["| field | type | default | what it does |", "|---|---|---|---|"]
-    body = []
-    for title, names in _SECTIONS:
-        body += [f"### {title}", ""]
-        for name in names:
-            f = by_name[name]
-            kind, text = _type_name(f), f.metadata["help"]
-            default = f'`"{f.default}"`' if isinstance(f.default, str) else f"`{f.default!r}`"
-            first = re.split(r"(?<=\.)\s+(?=[A-Z`])", text, maxsplit=1)[0]
-            rows.append(f"| [`{name}`](#{name}) | `{kind}` | {default} | {first} |")
-            body += [f"#### `{name}` {{#{name}}}", "", f"`{kind}`, defaults to {default}.", "", text, ""]
-    return "\n".join(rows + [""] + body)
-
-
-def _config_doc(trainer: str, trl_config: str) -> str:
-    return (
-        f"""
-    Configuration class for [`{trainer}`]: every [`~trl.{trl_config}`] parameter, plus the `dta_*` parameters below.
-
-    Defaults are TRL's, and with DTA's defaults every update equals the TRL trainer's. Note that
-    `gradient_checkpointing=True` (TRL's default) bounds DTA's memory through `dta_max_graph_tokens` instead of HF
-    checkpointing (see that parameter).
-
-"""
-        + dta_parameters_doc()
-    )
+    [`dta_parameters_doc`] (`config_doc.parameters_markdown`). `docs/hooks.py` puts it into `docs/config.md`."""
+    return parameters_markdown(DTAArguments, _SECTIONS)
 
 
 def check_tree_args(args) -> None:
@@ -459,8 +404,8 @@ class DTARLOOConfig(DTAArguments, RLOOConfig):
             )
 
 
-DTAGRPOConfig.__doc__ = _config_doc("DTAGRPOTrainer", "GRPOConfig")
-DTARLOOConfig.__doc__ = _config_doc("DTARLOOTrainer", "RLOOConfig")
+DTAGRPOConfig.__doc__ = config_docstring("DTAGRPOTrainer", "GRPOConfig", dta_parameters_doc())
+DTARLOOConfig.__doc__ = config_docstring("DTARLOOTrainer", "RLOOConfig", dta_parameters_doc())
 
 
 def graph_budget(dta: DTAArguments, args) -> int | None:

@@ -19,6 +19,9 @@ Shapes below: `B` rows, `T = logits_to_keep` completion columns; a row's `C_i` v
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 
@@ -29,6 +32,90 @@ def _rows(x: torch.Tensor | None, i: int, n: int) -> torch.Tensor | None:
     if x.dim() == 1:
         return x[i].reshape(1)
     return x[i, :n] if x.size(1) != 1 else x[i].reshape(1)
+
+
+# TRL's normaliser of `(per_token_loss * mask).sum()`, per row `(B,)`, by loss type (train mode: divided by the
+# gradient accumulation `acc`). Each takes the loss (its float `mask` `(B, T)`, its trainer), the inputs, `B`, `acc`.
+def _tokens_per_row(loss, inputs: dict, rows: int, acc: int) -> torch.Tensor:
+    return loss.mask.sum(-1).clamp(min=1.0) * rows * acc
+
+
+def _tokens_per_batch(loss, inputs: dict, rows: int, acc: int) -> torch.Tensor:
+    return (loss.mask.sum().clamp(min=1.0) * acc).expand(rows)
+
+
+def _max_completion_length(loss, inputs: dict, rows: int, acc: int) -> torch.Tensor:
+    return torch.full((rows,), float(rows * loss.trainer.max_completion_length * acc), device=loss.mask.device)
+
+
+def _items_in_batch(loss, inputs: dict, rows: int, acc: int) -> torch.Tensor:
+    t = loss.trainer
+    normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / t.accelerator.num_processes
+    normalizer = normalizer * acc / t.args.steps_per_generation
+    return normalizer.float().expand(rows)
+
+
+def _rows_only(loss, inputs: dict, rows: int, acc: int) -> torch.Tensor:
+    return torch.full((rows,), float(rows * acc), device=loss.mask.device)
+
+
+_DIVISORS: dict[str, Callable] = {
+    "grpo": _tokens_per_row, "sapo": _tokens_per_row, "bnpo": _tokens_per_batch, "dr_grpo": _max_completion_length,
+    "cispo": _items_in_batch, "dapo": _items_in_batch, "vespo": _items_in_batch, "luspo": _rows_only,
+}
+
+
+@dataclass
+class _Row:
+    """One row's tensors, `(C_i,)` each (`coef_1` `(1,)` at the sequence level): what a per-token loss reads."""
+
+    i: int
+    logps: torch.Tensor
+    log_ratio: torch.Tensor
+    coef_1: torch.Tensor
+    adv: torch.Tensor
+    mask: torch.Tensor
+
+
+# TRL's per-token loss `(C_i,)` of a row, by loss type (before the off-policy mask, vLLM's importance sampling and KL).
+def _cispo(loss, r: _Row) -> torch.Tensor:
+    clamped = torch.clamp(r.coef_1, max=loss.epsilon_high).detach()
+    return -clamped * r.adv * r.logps
+
+
+def _clipped(loss, r: _Row) -> torch.Tensor:
+    coef_2 = torch.clamp(r.coef_1, 1 - loss.epsilon_low, 1 + loss.epsilon_high)
+    coef_1 = r.coef_1 if loss.delta is None else torch.clamp(r.coef_1, max=loss.delta)
+    return -torch.min(coef_1 * r.adv, coef_2 * r.adv)
+
+
+def _sapo(loss, r: _Row) -> torch.Tensor:
+    args = loss.trainer.args
+    temperatures = torch.where(r.adv > 0, args.sapo_temperature_pos, args.sapo_temperature_neg)
+    soft_coef_1 = torch.sigmoid(temperatures * (r.coef_1 - 1)) * 4 / temperatures
+    return -soft_coef_1 * r.adv
+
+
+def _vespo(loss, r: _Row) -> torch.Tensor:
+    args = loss.trainer.args
+    ratio = _rows(loss.is_ratio, r.i, r.logps.size(0))
+    phi_seq = loss.trainer.get_gamma_weights(
+        advantages=r.adv.view(1, -1),
+        log_ratio_per_token=r.log_ratio.view(1, -1),
+        mask=r.mask.view(1, -1),
+        importance_sampling_ratio=None if ratio is None else ratio.view(1, -1),
+        k_pos=args.vespo_k_pos,
+        lambda_pos=args.vespo_lambda_pos,
+        k_neg=args.vespo_k_neg,
+        lambda_neg=args.vespo_lambda_neg,
+    ).view(-1)
+    return -phi_seq * r.adv * r.logps
+
+
+_PER_TOKEN_LOSSES: dict[str, Callable] = {
+    "cispo": _cispo, "grpo": _clipped, "bnpo": _clipped, "dr_grpo": _clipped, "dapo": _clipped, "luspo": _clipped,
+    "sapo": _sapo, "vespo": _vespo,
+}
 
 
 class GRPOSequenceLoss:
@@ -70,24 +157,11 @@ class GRPOSequenceLoss:
         self.is_ratio = inputs.get("importance_sampling_ratio")
         self.sampling = inputs.get("sampling_per_token_logps")
 
-        # TRL's normaliser of `(per_token_loss * mask).sum()`, per row (train mode, so divided by the accumulation).
-        rows = mask.size(0)
+        if self.loss_type not in _DIVISORS:
+            raise ValueError(f"Unknown loss type: {self.loss_type} (DTA reproduces {sorted(_DIVISORS)})")
+        self.per_token_loss = _PER_TOKEN_LOSSES[self.loss_type]
         accumulation = t.current_gradient_accumulation_steps
-        if self.loss_type in ("grpo", "sapo"):
-            divisor = self.mask.sum(-1).clamp(min=1.0) * rows * accumulation
-        elif self.loss_type == "bnpo":
-            divisor = (self.mask.sum().clamp(min=1.0) * accumulation).expand(rows)
-        elif self.loss_type == "dr_grpo":
-            divisor = torch.full((rows,), float(rows * t.max_completion_length * accumulation), device=mask.device)
-        elif self.loss_type in ("cispo", "dapo", "vespo"):
-            normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / t.accelerator.num_processes
-            normalizer = normalizer * accumulation / args.steps_per_generation
-            divisor = normalizer.float().expand(rows)
-        elif self.loss_type == "luspo":
-            divisor = torch.full((rows,), float(rows * accumulation), device=mask.device)
-        else:
-            raise ValueError(f"Unknown loss type: {self.loss_type}")
-        self.row_scale = scale / divisor
+        self.row_scale = scale / _DIVISORS[self.loss_type](self, inputs, mask.size(0), accumulation)
 
         # Entropy bonus: `- coef * (entropies * mask).sum() / mask.sum().clamp(min=1) / accumulation`.
         coef = entropy_coef
@@ -135,35 +209,7 @@ class GRPOSequenceLoss:
             if self.bias_correction_kl:
                 per_token_kl = per_token_kl * coef_1
 
-        if self.loss_type == "cispo":
-            clamped = torch.clamp(coef_1, max=self.epsilon_high).detach()
-            per_token_loss = -clamped * adv * logps
-        elif self.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
-            coef_2 = torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)
-            if self.delta is not None:
-                coef_1 = torch.clamp(coef_1, max=self.delta)
-            per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
-        elif self.loss_type == "sapo":
-            args = self.trainer.args
-            temperatures = torch.where(adv > 0, args.sapo_temperature_pos, args.sapo_temperature_neg)
-            soft_coef_1 = torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
-            per_token_loss = -soft_coef_1 * adv
-        elif self.loss_type == "vespo":
-            args = self.trainer.args
-            ratio = _rows(self.is_ratio, i, n)
-            phi_seq = self.trainer.get_gamma_weights(
-                advantages=adv.view(1, -1),
-                log_ratio_per_token=log_ratio.view(1, -1),
-                mask=mask.view(1, -1),
-                importance_sampling_ratio=None if ratio is None else ratio.view(1, -1),
-                k_pos=args.vespo_k_pos,
-                lambda_pos=args.vespo_lambda_pos,
-                k_neg=args.vespo_k_neg,
-                lambda_neg=args.vespo_lambda_neg,
-            ).view(-1)
-            per_token_loss = -phi_seq * adv * logps
-        else:
-            raise ValueError(f"Unknown loss type: {self.loss_type}")
+        per_token_loss = self.per_token_loss(self, _Row(i, logps, log_ratio, coef_1, adv, mask))
 
         if self.off_policy_threshold is not None:
             per_token_loss = per_token_loss * keep

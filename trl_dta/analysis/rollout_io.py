@@ -1,4 +1,5 @@
-"""Reading rollouts for `trl-dta analyze`: token-id sequences, or conversations and their training layouts.
+"""Reading rollouts for `trl-dta analyze`: token-id sequences, or conversations and their training layouts (TRL's
+`.parquet` completion logs: `trl_logs.py`).
 
 A source is a JSONL file (one JSON object per line), a folder written by `datasets.Dataset.save_to_disk`, or a dataset
 name. Its rows are either **sequences** (token ids, a prompt + completion pair of ids, or text with a tokenizer) or
@@ -34,11 +35,11 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from ._checks import check_choice
-from .batch import SAMPLE_LAYOUTS
+from .._checks import check_choice
+from ..batch import SAMPLE_LAYOUTS
 
-__all__ = ["LAYOUTS", "AnalysisError", "is_conversation_source", "is_tau2_source", "layout_rows", "load_conversations",
-           "load_sequences"]
+__all__ = ["LAYOUTS", "AnalysisError", "group_label", "is_conversation_source", "is_tau2_source", "layout_rows",
+           "load_conversations", "load_sequences", "load_tokenizer"]
 
 LAYOUTS = SAMPLE_LAYOUTS  # training layouts of a conversation
 ASSISTANT = "assistant"
@@ -91,7 +92,7 @@ def _rows(source: str, split: str | None) -> Iterator[tuple[dict, str]]:
     """`(record, where)` for every row of `source`; `where` names the file and line (or the dataset row)."""
     path = Path(source)
     if is_tau2_source(source):
-        from .envs.tau2.results import tau2_conversations
+        from ..envs.tau2.results import tau2_conversations
 
         return iter(tau2_conversations(path))
     if path.is_file():
@@ -110,7 +111,7 @@ def _records(source: str, split: str | None) -> Iterator[tuple[dict, str]]:
 
 def is_tau2_source(source: str) -> bool:
     """Whether `source` is a tau2-bench results file (the JSON `tau2 run` writes; read with `trl-dta[tau2]`)."""
-    from .envs.tau2.results import is_tau2_results
+    from ..envs.tau2.results import is_tau2_results
 
     return is_tau2_results(Path(source))
 
@@ -136,7 +137,7 @@ def _field(row: dict, name: str, where: str):
     return row[name]
 
 
-def _group_label(row: dict, group_field: str, where: str):
+def group_label(row: dict, group_field: str, where: str):
     if group_field not in row:
         raise AnalysisError(f"{where}: missing group field '{group_field}'")
     value = row[group_field]
@@ -165,7 +166,7 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
     return True
 
 
-def _tokenizer(name: str | None):
+def load_tokenizer(name: str | None):
     """A local directory, a name in the Hugging Face cache, or (online) a hub name; offline, a hub name that is not
     cached fails at once with a local alternative (instead of transformers' retries)."""
     if name is None:
@@ -282,13 +283,13 @@ def load_sequences(
     """
     if tokenizer is None and text_field is not None:
         raise AnalysisError("--text-field needs --tokenizer NAME_OR_PATH to turn text into token ids")
-    parse = _SequenceParser(field, prompt_field, completion_field, text_field, _tokenizer(tokenizer))
+    parse = _SequenceParser(field, prompt_field, completion_field, text_field, load_tokenizer(tokenizer))
     seqs, labels, prompts = [], [], {}
     for row, where in _records(source, split):
         ids, prompt = parse(row, where)
         seqs.append(ids)
         if group_field:
-            labels.append(_group_label(row, group_field, where))
+            labels.append(group_label(row, group_field, where))
         elif prompt is not None:
             labels.append(prompts.setdefault(prompt, len(prompts)))
     if not seqs:
@@ -409,7 +410,7 @@ def load_conversations(
     Raises:
         [`AnalysisError`]: on a malformed conversation, naming the line (or row), the message or turn, and the fix.
     """
-    tok = _tokenizer(tokenizer)
+    tok = load_tokenizer(tokenizer)
     conversations, labels = [], []
     for row, where in _records(source, split):
         if "messages" in row:
@@ -432,7 +433,7 @@ def load_conversations(
                                 f"role must be '{ASSISTANT}'" + (f", roles found: {roles}" if roles else ""))
         conversations.append(([t for turn in turns for t in turn], mask))
         if group_field:
-            labels.append(_group_label(row, group_field, where))
+            labels.append(group_label(row, group_field, where))
     if not conversations:
         raise AnalysisError(f"{source}: no rows")
     return conversations, labels or None
