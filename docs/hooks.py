@@ -1,11 +1,14 @@
 """MkDocs hooks: the parts of the docs that are generated from the code at build time, so that they cannot drift.
 
-A page asks for a generated part with a marker line, replaced when the page is built:
+A page holds each generated part between two marker lines, committed with the page so that it reads on GitHub too
+(`<!-- generated: NAME -->` ... `<!-- end generated: NAME -->`); the build replaces what lies between them with a
+fresh copy ([`regenerate`]), and `python tools/gen_docs.py` rewrites the committed copies (`--check`, run by CI and
+`tests/test_docs.py`, fails when one is stale). The parts:
 
-- `<!-- generated: dta-parameters -->` (`config.md`): every `dta_*` field of `trl_dta.trainers.config.DTAArguments`
+- `dta-parameters` (`config.md`): every `dta_*` field of `trl_dta.trainers.config.DTAArguments`
   with its type, default and help text (`dta_parameters_markdown`, the same source as the configs' docstrings).
-- `<!-- generated: analyze-help -->` (`analyzer.md`): `trl-dta analyze --help`, from the command's own parser.
-- `<!-- generated: refusals -->` (`troubleshooting.md`): every error `trl_dta` raises (`raise SomeError(message)`)
+- `analyze-help` (`analyzer.md`): `trl-dta analyze --help`, from the command's own parser.
+- `refusals` (`troubleshooting.md`): every error `trl_dta` raises (`raise SomeError(message)`)
   and every blocker it can name in its one model refusal (`Blocker(feature, settings=..., fix=...)`, raised together
   as a `DTAUnsupportedError`), read from the source with `ast`, grouped by what the user was doing ([`GROUPS`]), each
   with the function that raises it. A module that raises and belongs to no group fails the build.
@@ -293,11 +296,34 @@ def refusals() -> str:
 
 # ------------------------------------------------------------------------------------------------------ the hook
 
-MARKERS = {
-    "<!-- generated: dta-parameters -->": dta_parameters,
-    "<!-- generated: analyze-help -->": analyze_help,
-    "<!-- generated: refusals -->": refusals,
+GENERATORS = {
+    "dta-parameters": dta_parameters,
+    "analyze-help": analyze_help,
+    "refusals": refusals,
 }
+
+
+def begin_marker(name: str) -> str:
+    return f"<!-- generated: {name} -->"
+
+
+def end_marker(name: str) -> str:
+    return f"<!-- end generated: {name} -->"
+
+
+def regenerate(markdown: str) -> str:
+    """`markdown` with the text between each pair of markers of [`GENERATORS`] replaced by a fresh copy. A begin
+    marker without its end marker (a part just asked for) gets one, after the generated text."""
+    for name, generate in GENERATORS.items():
+        begin, end = begin_marker(name), end_marker(name)
+        if begin not in markdown:
+            continue
+        head, rest = markdown.split(begin, 1)
+        _, found, tail = rest.partition(end)
+        if not found:  # a new part: what followed the marker line follows the end marker
+            tail = "\n" + rest.partition("\n")[2]
+        markdown = f"{head}{begin}\n\n{generate().strip()}\n\n{end}{tail}"
+    return markdown
 
 
 _HF_REF = re.compile(r"\[<code>(~?)([\w.]+)</code>\]")
@@ -310,8 +336,5 @@ def on_page_content(html: str, page, config, files) -> str:
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
-    """MkDocs' `on_page_markdown` event: replace each marker line with its generated Markdown."""
-    for marker, generate in MARKERS.items():
-        if marker in markdown:
-            markdown = markdown.replace(marker, generate())
-    return markdown
+    """MkDocs' `on_page_markdown` event: each generated part regenerated ([`regenerate`])."""
+    return regenerate(markdown)
