@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "trl_dta"
 
 # (title, what the user was doing, module paths or folders under the repository root). Every module of `trl_dta` that
-# raises an error belongs to exactly one group (the first whose path it starts with).
+# raises an error belongs to exactly one group (the one whose path names it most closely: a module before its folder).
 GROUPS = (
     ("Configuring a trainer", "building `DTAGRPOConfig` / `DTARLOOConfig` (a `dta_*` value, tree-rollout settings, a "
      "TRL setting DTA cannot honour), or any public function given a bad argument",
@@ -40,7 +40,7 @@ GROUPS = (
      "the attention's own checks, the hybrids' recurrent layers",
      ("trl_dta/models.py", "trl_dta/refusal.py", "trl_dta/attention.py", "trl_dta/recurrent/")),
     ("Several processes", "`accelerate launch`, DDP, FSDP2, DeepSpeed: the distributed settings DTA refuses",
-     ("trl_dta/parallel/", "trl_dta/distributed.py")),
+     ("trl_dta/parallel/", "trl_dta/distributed.py", "trl_dta/trainers/launch.py")),
     ("Calling the engine", "`DTAEngine`, `PrefixTree` and the kernels directly",
      ("trl_dta/engine/", "trl_dta/tree.py", "trl_dta/kernels/", "trl_dta/kv_stack.py", "trl_dta/lm_head.py",
       "trl_dta/precision.py", "trl_dta/batch.py")),
@@ -250,9 +250,10 @@ def group_of(module: str, blocker: bool = False) -> str:
     wherever they are found, except the trainer arguments' (`trainers/config.py`)."""
     if blocker and module != "trl_dta/trainers/config.py":
         return GROUPS[2][0]
-    for title, _, paths in GROUPS:
-        if any(module == p or (p.endswith("/") and module.startswith(p)) for p in paths):
-            return title
+    matches = [(len(p), title) for title, _, paths in GROUPS for p in paths
+               if module == p or (p.endswith("/") and module.startswith(p))]
+    if matches:
+        return max(matches)[1]
     raise RuntimeError(f"docs/hooks.py: {module} raises errors but belongs to no group of `GROUPS`: add it to one")
 
 
