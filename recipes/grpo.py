@@ -217,8 +217,8 @@ def step_split(logs: list[dict]) -> list[str]:
     generation, scoring = mean["dta/generation_time"], mean["dta/scoring_time"]
     training = mean["step_time"] - generation - scoring
     lines = [
-        f"step: {mean['step_time']:.3f} s = generation {generation:.3f} s + scoring {scoring:.3f} s + training "
-        f"{training:.3f} s (means over {len(timed)} logged steps)"
+        f"time per step: {mean['step_time']:.3f} s = generation {generation:.3f} s + scoring {scoring:.3f} s "
+        f"+ training {training:.3f} s (means over {len(timed)} logged steps)"
     ]
     engine = [entry for entry in timed if "dta/step_time" in entry and "dta/compression_ratio" in entry]
     if engine:
