@@ -77,7 +77,7 @@ BALANCE_METRICS = (
     "dta/rank_cost_imbalance",
 )
 # TRL's seconds per optimizer step and the two parts of it before training (`trl_dta/trainers/phases.py`).
-PHASE_METRICS = ("step_time", "dta/generation_time", "dta/scoring_time")
+PHASE_METRICS = ("step_time", "generation_time", "scoring_time")
 
 
 @dataclass
@@ -214,7 +214,7 @@ def step_split(logs: list[dict]) -> list[str]:
     if not timed:
         return []
     mean = {key: statistics.fmean(entry[key] for entry in timed) for key in PHASE_METRICS}
-    generation, scoring = mean["dta/generation_time"], mean["dta/scoring_time"]
+    generation, scoring = mean["generation_time"], mean["scoring_time"]
     training = mean["step_time"] - generation - scoring
     lines = [
         f"time per step: {mean['step_time']:.3f} s = generation {generation:.3f} s + scoring {scoring:.3f} s "

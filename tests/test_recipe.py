@@ -91,7 +91,7 @@ def test_summary_reads_the_logged_metrics(recipe):
 def test_summary_splits_the_step_time(recipe):
     """TRL's `step_time` split into generation, scoring and training (`trl_dta/trainers/phases.py`), and with DTA the
     engine's share and the dense path's time if it followed the tokens, said to be an estimate."""
-    entry = {"reward": 0.5, "step_time": 0.12, "dta/generation_time": 0.06, "dta/scoring_time": 0.01}
+    entry = {"reward": 0.5, "step_time": 0.12, "generation_time": 0.06, "scoring_time": 0.01}
     dense = recipe.summarize([entry, entry], steps=2, wall_time=1.0, window=1)
     assert "time per step: 0.120 s = generation 0.060 s + scoring 0.010 s + training 0.050 s" in dense
     dta = {**entry, "dta/step_time": 0.04, "dta/compression_ratio": 6.0, "dta/tokens": 600.0,

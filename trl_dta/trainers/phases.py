@@ -12,8 +12,9 @@ step_time (TRL) = generation + scoring + training
 ```
 
 A generation batch serves `steps_per_generation` optimizer steps (and `num_iterations` passes): its seconds count in
-the optimizer step that generated it. Evaluation's generation is not counted. Metrics: `dta/generation_time`,
-`dta/scoring_time` (seconds per optimizer step, logged with `dta_enabled=False` too, so the dense run compares).
+the optimizer step that generated it. Evaluation's generation is not counted. Metrics: `generation_time`,
+`scoring_time` (seconds per optimizer step, named as TRL's `step_time`; logged with `dta_enabled=False` too, so that
+a dense run compares, and therefore without the `dta/` prefix a disabled trainer never logs).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class StepPhases:
         loss = super().training_step(model, inputs, num_items_in_batch)
         if self._step % self.current_gradient_accumulation_steps == 0:  # TRL logs `step_time` at the same point
             generation, total = self._phase_seconds
-            self._metrics["train"]["dta/generation_time"].append(generation)
-            self._metrics["train"]["dta/scoring_time"].append(total - generation)
+            self._metrics["train"]["generation_time"].append(generation)
+            self._metrics["train"]["scoring_time"].append(total - generation)
             self._phase_seconds = (0.0, 0.0)
         return loss
