@@ -1,11 +1,14 @@
 """MkDocs hooks: the parts of the docs that are generated from the code at build time, so that they cannot drift.
 
-A page asks for a generated part with a marker line, replaced when the page is built:
+A page holds each generated part between two marker lines, committed with the page so that it reads on GitHub too
+(`<!-- generated: NAME -->` ... `<!-- end generated: NAME -->`); the build replaces what lies between them with a
+fresh copy ([`regenerate`]), and `python tools/gen_docs.py` rewrites the committed copies (`--check`, run by CI and
+`tests/test_docs.py`, fails when one is stale). The parts:
 
-- `<!-- generated: dta-parameters -->` (`config.md`): every `dta_*` field of `trl_dta.trainers.config.DTAArguments`
+- `dta-parameters` (`config.md`): every `dta_*` field of `trl_dta.trainers.config.DTAArguments`
   with its type, default and help text (`dta_parameters_markdown`, the same source as the configs' docstrings).
-- `<!-- generated: analyze-help -->` (`analyzer.md`): `trl-dta analyze --help`, from the command's own parser.
-- `<!-- generated: refusals -->` (`troubleshooting.md`): every error `trl_dta` raises (`raise SomeError(message)`)
+- `analyze-help` (`analyzer.md`): `trl-dta analyze --help`, from the command's own parser.
+- `refusals` (`troubleshooting.md`): every error `trl_dta` raises (`raise SomeError(message)`)
   and every blocker it can name in its one model refusal (`Blocker(feature, settings=..., fix=...)`, raised together
   as a `DTAUnsupportedError`), read from the source with `ast`, grouped by what the user was doing ([`GROUPS`]), each
   with the function that raises it. A module that raises and belongs to no group fails the build.
@@ -25,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "trl_dta"
 
 # (title, what the user was doing, module paths or folders under the repository root). Every module of `trl_dta` that
-# raises an error belongs to exactly one group (the first whose path it starts with).
+# raises an error belongs to exactly one group (the one whose path names it most closely: a module before its folder).
 GROUPS = (
     ("Configuring a trainer", "building `DTAGRPOConfig` / `DTARLOOConfig` (a `dta_*` value, tree-rollout settings, a "
      "TRL setting DTA cannot honour), or any public function given a bad argument",
@@ -37,7 +40,7 @@ GROUPS = (
      "the attention's own checks, the hybrids' recurrent layers",
      ("trl_dta/models.py", "trl_dta/refusal.py", "trl_dta/attention.py", "trl_dta/recurrent/")),
     ("Several processes", "`accelerate launch`, DDP, FSDP2, DeepSpeed: the distributed settings DTA refuses",
-     ("trl_dta/parallel/", "trl_dta/distributed.py")),
+     ("trl_dta/parallel/", "trl_dta/distributed.py", "trl_dta/trainers/launch.py")),
     ("Calling the engine", "`DTAEngine`, `PrefixTree` and the kernels directly",
      ("trl_dta/engine/", "trl_dta/tree.py", "trl_dta/kernels/", "trl_dta/kv_stack.py", "trl_dta/lm_head.py",
       "trl_dta/precision.py", "trl_dta/batch.py")),
@@ -247,9 +250,10 @@ def group_of(module: str, blocker: bool = False) -> str:
     wherever they are found, except the trainer arguments' (`trainers/config.py`)."""
     if blocker and module != "trl_dta/trainers/config.py":
         return GROUPS[2][0]
-    for title, _, paths in GROUPS:
-        if any(module == p or (p.endswith("/") and module.startswith(p)) for p in paths):
-            return title
+    matches = [(len(p), title) for title, _, paths in GROUPS for p in paths
+               if module == p or (p.endswith("/") and module.startswith(p))]
+    if matches:
+        return max(matches)[1]
     raise RuntimeError(f"docs/hooks.py: {module} raises errors but belongs to no group of `GROUPS`: add it to one")
 
 
@@ -293,11 +297,34 @@ def refusals() -> str:
 
 # ------------------------------------------------------------------------------------------------------ the hook
 
-MARKERS = {
-    "<!-- generated: dta-parameters -->": dta_parameters,
-    "<!-- generated: analyze-help -->": analyze_help,
-    "<!-- generated: refusals -->": refusals,
+GENERATORS = {
+    "dta-parameters": dta_parameters,
+    "analyze-help": analyze_help,
+    "refusals": refusals,
 }
+
+
+def begin_marker(name: str) -> str:
+    return f"<!-- generated: {name} -->"
+
+
+def end_marker(name: str) -> str:
+    return f"<!-- end generated: {name} -->"
+
+
+def regenerate(markdown: str) -> str:
+    """`markdown` with the text between each pair of markers of [`GENERATORS`] replaced by a fresh copy. A begin
+    marker without its end marker (a part just asked for) gets one, after the generated text."""
+    for name, generate in GENERATORS.items():
+        begin, end = begin_marker(name), end_marker(name)
+        if begin not in markdown:
+            continue
+        head, rest = markdown.split(begin, 1)
+        _, found, tail = rest.partition(end)
+        if not found:  # a new part: what followed the marker line follows the end marker
+            tail = "\n" + rest.partition("\n")[2]
+        markdown = f"{head}{begin}\n\n{generate().strip()}\n\n{end}{tail}"
+    return markdown
 
 
 _HF_REF = re.compile(r"\[<code>(~?)([\w.]+)</code>\]")
@@ -310,8 +337,5 @@ def on_page_content(html: str, page, config, files) -> str:
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
-    """MkDocs' `on_page_markdown` event: replace each marker line with its generated Markdown."""
-    for marker, generate in MARKERS.items():
-        if marker in markdown:
-            markdown = markdown.replace(marker, generate())
-    return markdown
+    """MkDocs' `on_page_markdown` event: each generated part regenerated ([`regenerate`])."""
+    return regenerate(markdown)

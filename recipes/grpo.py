@@ -76,6 +76,8 @@ BALANCE_METRICS = (
     "dta/compression_ratio_after_balance",
     "dta/rank_cost_imbalance",
 )
+# TRL's seconds per optimizer step and the two parts of it before training (`trl_dta/trainers/phases.py`).
+PHASE_METRICS = ("step_time", "generation_time", "scoring_time")
 
 
 @dataclass
@@ -204,6 +206,33 @@ def load_hub_dataset(script_args: GRPOScriptArguments, training_args: DTAGRPOCon
     return dataset[script_args.dataset_train_split], eval_dataset
 
 
+def step_split(logs: list[dict]) -> list[str]:
+    """The summary's lines on where a step's time went: generation, scoring, training (TRL's `step_time` less the
+    first two), and with DTA the engine's share and what the dense path's training would take if its time followed
+    the tokens computed (an estimate, said so). Empty when the phases were not logged."""
+    timed = [entry for entry in logs if all(key in entry for key in PHASE_METRICS)]
+    if not timed:
+        return []
+    mean = {key: statistics.fmean(entry[key] for entry in timed) for key in PHASE_METRICS}
+    generation, scoring = mean["generation_time"], mean["scoring_time"]
+    training = mean["step_time"] - generation - scoring
+    lines = [
+        f"time per step: {mean['step_time']:.3f} s = generation {generation:.3f} s + scoring {scoring:.3f} s "
+        f"+ training {training:.3f} s (means over {len(timed)} logged steps)"
+    ]
+    engine = [entry for entry in timed if "dta/step_time" in entry and "dta/compression_ratio" in entry]
+    if engine:
+        seconds = statistics.fmean(entry["dta/step_time"] for entry in engine)
+        ratio = statistics.fmean(entry["dta/compression_ratio"] for entry in engine)
+        lines.append(
+            f"DTA: training {training:.3f} s, of which the engine's forward/backward {seconds:.3f} s; TRL's dense path "
+            f"computes {ratio:.2f}x the tokens: {training - seconds + seconds * ratio:.3f} s if its time followed the "
+            "tokens (an estimate; a small model's dense batch runs faster per token: measure it with "
+            "`--dta_enabled false`)"
+        )
+    return lines
+
+
 def summarize(log_history: list[dict], steps: int, wall_time: float, window: int, num_processes: int = 1) -> str:
     """The end-of-run summary: steps, wall time, reward trend and DTA savings from the trainer's logged metrics.
 
@@ -231,6 +260,7 @@ def summarize(log_history: list[dict], steps: int, wall_time: float, window: int
         )
     else:
         lines.append("reward: no step was logged (set `logging_steps` to at most `max_steps`)")
+    lines += step_split(logs)
     dta = [entry for entry in logs if all(key in entry for key in DTA_METRICS)]
     if dta:
         mean = {key: statistics.fmean(entry[key] for entry in dta) for key in DTA_METRICS}

@@ -93,3 +93,20 @@ def test_config_page_survives_hfargumentparser():
     assert (dta_parameters_markdown(), dta_parameters_doc()) == before
     assert "`list[int]` or `None`" in before[0]
 
+
+
+def test_committed_generated_parts_are_fresh():
+    """The generated parts are committed between their markers (they read on GitHub); `tools/gen_docs.py --check`
+    fails when one differs from a fresh copy, and `regenerate` keeps the markers and is idempotent."""
+    spec = importlib.util.spec_from_file_location("trl_dta_gen_docs", ROOT / "tools" / "gen_docs.py")
+    gen_docs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen_docs)
+    assert gen_docs.stale_pages() == [], "stale generated docs: run `python tools/gen_docs.py` and commit the result"
+    hooks = gen_docs.load_hooks()
+    for name in hooks.GENERATORS:
+        begin, end = hooks.begin_marker(name), hooks.end_marker(name)
+        page = f"# t\n\n{begin}\n\n## after\n"
+        once = hooks.regenerate(page)
+        assert once.startswith(f"# t\n\n{begin}\n\n") and once.endswith(f"\n\n{end}\n\n## after\n")
+        assert hooks.regenerate(once) == once
+        assert hooks.regenerate(once.replace(f"{begin}\n\n", f"{begin}\n\nstale\n")) == once

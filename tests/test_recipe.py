@@ -88,6 +88,19 @@ def test_summary_reads_the_logged_metrics(recipe):
     assert "DTA: no metrics logged" in dense_only
 
 
+def test_summary_splits_the_step_time(recipe):
+    """TRL's `step_time` split into generation, scoring and training (`trl_dta/trainers/phases.py`), and with DTA the
+    engine's share and the dense path's time if it followed the tokens, said to be an estimate."""
+    entry = {"reward": 0.5, "step_time": 0.12, "generation_time": 0.06, "scoring_time": 0.01}
+    dense = recipe.summarize([entry, entry], steps=2, wall_time=1.0, window=1)
+    assert "time per step: 0.120 s = generation 0.060 s + scoring 0.010 s + training 0.050 s" in dense
+    dta = {**entry, "dta/step_time": 0.04, "dta/compression_ratio": 6.0, "dta/tokens": 600.0,
+           "dta/tree_tokens": 100.0, "dta/forward_tokens": 100.0}
+    text = recipe.summarize([dta, dta], steps=2, wall_time=1.0, window=1)
+    assert "training 0.050 s, of which the engine's forward/backward 0.040 s" in text
+    assert "computes 6.00x the tokens: 0.250 s if its time followed the tokens (an estimate;" in text
+
+
 # ------------------------------------------------------------------------------------------------------- real runs
 
 

@@ -1,6 +1,6 @@
 """Construct `DTAGRPOTrainer` under distributed settings DTA does not support, one source of the setting per case, and
-record what construction raised (launched on 2 processes by `test_sharded.py`; `cpu_engines.py` makes accelerate keep
-FSDP and DeepSpeed on CPU, so that the trainer sees what a GPU run would set up).
+record what construction raised (launched on 2 processes by `test_sharded.py` and `test_launch.py`; `cpu_engines.py`
+makes accelerate keep FSDP and DeepSpeed on CPU, so that the trainer sees what a GPU run would set up).
 
     accelerate launch --multi_gpu --num_processes 2 tests/trainers/refuse_run.py --out r.json --model_dir M \\
         --cases args_fsdp1,env_fsdp_offload,code_plugin,args_zero3
@@ -15,7 +15,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/: `bounds`, which the trainers' conftest imports
+# tests/: `bounds`, which the trainers' conftest imports; last, so that `tests/kernels` does not hide the `kernels`
+# package transformers >= 5.25 imports
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 from conftest import build_tokenizer, make_args  # noqa: E402
 from cpu_engines import enable_cpu_engines  # noqa: E402
 
@@ -41,6 +43,8 @@ def case_settings(name: str) -> dict:
         return dict(accelerator_config={"use_configured_state": True})
     if name == "launch":  # whatever `accelerate launch --config_file` set up
         return {}
+    if name == "no_use_cpu":  # the multi-process launcher on a CPU machine without `use_cpu=True`: one process each
+        return dict(use_cpu=False)
     raise ValueError(name)
 
 

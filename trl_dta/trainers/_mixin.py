@@ -46,6 +46,7 @@ from ..engine.router_loss import LoadBalancing
 from ..parallel import strategy_for
 from ..tree import PrefixTree
 from .config import DTAArguments, check_trainer_args, check_trl_version, graph_budget
+from .launch import check_launch
 from .layouts import ROW_WEIGHT_KEY
 from .micro_batches import (
     RowSettings,
@@ -104,6 +105,7 @@ class DTATrainerMixin:
         if not self._dta.dta_enabled:
             return
         check_trl_version()
+        check_launch(args)
         check_trainer_args(args)
         self._dta_max_graph_tokens = graph_budget(self._dta, args)
 

@@ -7,10 +7,11 @@ from trl import GRPOTrainer
 from ._mixin import DTATrainerMixin
 from .config import DTAGRPOConfig
 from .losses import GRPOSequenceLoss
+from .phases import StepPhases
 from .tree_rollouts import TreeRollouts
 
 
-class DTAGRPOTrainer(DTATrainerMixin, GRPOTrainer):
+class DTAGRPOTrainer(DTATrainerMixin, StepPhases, GRPOTrainer):
     """[`~trl.GRPOTrainer`] with Dynamic Tree Attention: every prefix shared within an optimizer step (the prompt of a
     group, shared turns, a common system prompt) is computed once, forward and backward, with TRL's exact loss,
     gradients and metrics.
@@ -23,7 +24,9 @@ class DTAGRPOTrainer(DTATrainerMixin, GRPOTrainer):
     `dta_tree_branching` also `_generate_single_turn` (each prompt's completions sampled as a tree, shared segments
     generated once: `tree_rollouts.py`), `_calculate_rewards` (to note the rows TRL could score) and
     `_generate_and_score_completions` (the trees and scorable rows of TRL's call handed to the scoring, which for a
-    `dta_tree_advantage` other than `"group"` replaces TRL's advantages: `tree_advantages.py`).
+    `dta_tree_advantage` other than `"group"` replaces TRL's advantages: `tree_advantages.py`). `_generate` and
+    `_generate_and_score_completions` are timed too, for the step's split into generation, scoring and training
+    (`phases.py`).
 
     Every `loss_type` (grpo, bnpo, dr_grpo, dapo, luspo, cispo, sapo, vespo), token- and sequence-level importance
     sampling, `beta > 0` (reference model or adapter-disabled PEFT reference), `num_iterations`,

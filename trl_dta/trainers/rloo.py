@@ -7,9 +7,10 @@ from trl import RLOOTrainer
 from ._mixin import DTATrainerMixin
 from .config import DTARLOOConfig
 from .losses import RLOOSequenceLoss
+from .phases import StepPhases
 
 
-class DTARLOOTrainer(DTATrainerMixin, RLOOTrainer):
+class DTARLOOTrainer(DTATrainerMixin, StepPhases, RLOOTrainer):
     """[`~trl.RLOOTrainer`] with Dynamic Tree Attention: every prefix shared within an optimizer step is computed
     once, forward and backward, with TRL's exact loss, gradients and metrics.
 

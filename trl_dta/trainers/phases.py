@@ -1,0 +1,58 @@
+"""Where an optimizer step's time goes: generation, scoring, training.
+
+TRL logs `step_time`, the seconds of an optimizer step's `training_step` calls, which include generating and scoring
+the rollouts (TRL's `_prepare_inputs` runs inside `training_step`). [`StepPhases`] times the two parts TRL runs before
+training, with the trainer's own methods, and logs them per optimizer step beside TRL's `step_time`:
+
+```
+step_time (TRL) = generation + scoring + training
+  generation: `_generate`, the rollouts' sampling (transformers' generate, a `rollout_func`, TRL's tool loop)
+  scoring:    the rest of `_generate_and_score_completions` (rewards, old-policy and reference log-probs, advantages)
+  training:   the remainder (the policy's forward/backward: DTA's engine, or TRL's dense path; the optimizer step)
+```
+
+A generation batch serves `steps_per_generation` optimizer steps (and `num_iterations` passes): its seconds count in
+the optimizer step that generated it. Evaluation's generation is not counted. Metrics: `generation_time`,
+`scoring_time` (seconds per optimizer step, named as TRL's `step_time`; logged with `dta_enabled=False` too, so that
+a dense run compares, and therefore without the `dta/` prefix a disabled trainer never logs).
+"""
+
+from __future__ import annotations
+
+import time
+
+
+class StepPhases:
+    """Times TRL's `_generate` and `_generate_and_score_completions` (see the module docstring); put it between the
+    DTA mixin and the TRL trainer in the bases."""
+
+    _phase_seconds: tuple[float, float] = (0.0, 0.0)  # (generation, generation and scoring) since the last step
+
+    def _generate(self, prompts):
+        if not self.model.training:
+            return super()._generate(prompts)
+        start = time.perf_counter()
+        try:
+            return super()._generate(prompts)
+        finally:
+            generation, total = self._phase_seconds
+            self._phase_seconds = (generation + time.perf_counter() - start, total)
+
+    def _generate_and_score_completions(self, inputs):
+        if not self.model.training:
+            return super()._generate_and_score_completions(inputs)
+        start = time.perf_counter()
+        try:
+            return super()._generate_and_score_completions(inputs)
+        finally:
+            generation, total = self._phase_seconds
+            self._phase_seconds = (generation, total + time.perf_counter() - start)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self._step % self.current_gradient_accumulation_steps == 0:  # TRL logs `step_time` at the same point
+            generation, total = self._phase_seconds
+            self._metrics["train"]["generation_time"].append(generation)
+            self._metrics["train"]["scoring_time"].append(total - generation)
+            self._phase_seconds = (0.0, 0.0)
+        return loss
