@@ -15,9 +15,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-# tests/: `bounds`, which the trainers' conftest imports; last, so that `tests/kernels` does not hide the `kernels`
-# package transformers >= 5.25 imports
-sys.path.append(str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/: `bounds`, which the trainers' conftest imports
 from conftest import build_tokenizer, make_args  # noqa: E402
 from cpu_engines import enable_cpu_engines  # noqa: E402
 
