@@ -321,7 +321,9 @@ def sample_tree_levels(
 @dataclass(frozen=True)
 class TreeSampler:
     """The settings of a rollout's tree sampling, as plain values: what [`sample_trees`] needs besides the model and
-    the prompts (the trainer hook reads them from TRL's state once, at construction).
+    the prompts (the trainer hook reads them from TRL's state once, at construction). [`sample`] samples through any
+    [`~generation.seam.Generator`] (the trainer's policy, `trainers/policy.py`), with the generator's sampling settings;
+    calling the sampler with a model samples through a [`~generation.CachedGenerate`] of it with these.
 
     Args:
         branching (`tuple[int, ...]`): children per level (`dta_tree_branching`).
@@ -329,7 +331,8 @@ class TreeSampler:
             (`dta_tree_segment_length`).
         max_new_tokens (`int`): the longest completion (`max_completion_length`).
         generation_config (`transformers.GenerationConfig`): the caller's sampling settings (TRL's
-            `generation_config`), merged with the model's own at every call ([`effective_generation_config`]).
+            `generation_config`), merged with the model's own at every call with a model
+            ([`effective_generation_config`]).
         eos_token_ids (`tuple[int, ...]`): tokens that end a completion.
         pad_token_id (`int`): the tokenizer's padding token.
     """
