@@ -67,7 +67,10 @@ class Generation(NamedTuple):
 
 
 class Generator(Protocol):
-    """The policy with its sampling settings, for one rollout (see the module docstring).
+    """The policy with its sampling settings, for one rollout (see the module docstring):
+    `generator(prompts, max_new_tokens, *, n=1, settings=None) -> list[Generation]` samples every prompt `n` times,
+    each sample at most its prompt's `max_new_tokens` tokens, with `settings` (a `GenerationConfig`) or the
+    generator's own, and returns the `len(prompts) * n` samples prompt-major.
 
     Attributes:
         generation_config (`transformers.GenerationConfig`): the settings a call without `settings` samples with, as
