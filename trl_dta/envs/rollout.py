@@ -46,7 +46,7 @@ from typing import Protocol, runtime_checkable
 
 from .._checks import check_int
 from ..batch import SAMPLE_LAYOUTS
-from ..generation import GenerateFn, Generation, reprefill_generate_fn  # noqa: F401 (Generation re-exported)
+from ..generation import Generation, Generator, reprefill_generate_fn  # noqa: F401 (Generation re-exported)
 from .env import RetailDomain, RetailEnv
 from .protocol import render_reply
 from .reward import RewardBreakdown  # noqa: F401 (documented type of Episode.reward)
@@ -163,7 +163,7 @@ class Session(Protocol):
 def run_sessions(
     sessions: Sequence[Session],
     task_ids: Sequence,
-    generate: GenerateFn,
+    generate: Generator,
     *,
     max_turn_tokens: int = 64,
     max_tokens: int = 1024,
@@ -175,7 +175,7 @@ def run_sessions(
     Args:
         sessions (`Sequence[Session]`): fresh episodes, one per rollout.
         task_ids (`Sequence`): the task of each session (kept in `Episode.task_id`).
-        generate (`GenerateFn`): see [`play_episodes`].
+        generate ([`~trl_dta.generation.Generator`]): see [`play_episodes`].
         max_turn_tokens (`int`, *optional*, defaults to `64`): tokens per policy turn.
         max_tokens (`int`, *optional*, defaults to `1024`): tokens per episode, prompt included.
         branching (`Sequence[int]`, *optional*): tree rollouts: children per level; `sessions` then hold
@@ -263,7 +263,7 @@ class _TextSession:
 def play_episodes(
     domain: RetailDomain,
     task_ids: Sequence[int],
-    generate: GenerateFn,
+    generate: Generator,
     tokenizer,
     *,
     num_generations: int = 1,
@@ -280,9 +280,12 @@ def play_episodes(
     Args:
         domain ([`~envs.env.RetailDomain`]): the domain.
         task_ids (`Sequence[int]`): the tasks; repeats are allowed (TRL passes each prompt `num_generations` times).
-        generate (`GenerateFn`): `generate(prefixes, max_new_tokens) -> list[Generation]`, one turn per prefix, at
-            most `max_new_tokens[i]` (and at least one) token ids each, normally ending with the end-of-turn token;
-            see [`model_generate_fn`].
+        generate ([`~trl_dta.generation.Generator`]): the policy; the loop calls only
+            `generate(prefixes, max_new_tokens) -> list[Generation]` (one sample per prefix, so any function of that
+            signature serves), one turn per prefix, at most `max_new_tokens[i]` (and at least one) token ids each,
+            normally ending with the end-of-turn token; see [`model_generate_fn`]. A later call's prefixes extend an
+            earlier call's prefixes and turns, and branching episodes repeat a prefix: shared prefixes a generator can
+            reuse.
         tokenizer: the policy's tokenizer (prompt with special tokens, replies without; turns decoded without).
         num_generations (`int`, *optional*, defaults to `1`): episodes per task.
         max_turns (`int`, *optional*, defaults to `8`): agent turns per episode.
@@ -374,8 +377,8 @@ def layout_sequences(episodes: Sequence[Episode], layout: str) -> list[list[int]
     return [e.ids[:turn.end] for e in episodes for turn in e.turns]
 
 
-def model_generate_fn(model, tokenizer, generation_config=None, **generation_kwargs) -> GenerateFn:
-    """A [`GenerateFn`] that samples turns with `model.generate` on the whole prefixes (the re-prefill path, see
-    `trl_dta.generation.sampling`); [`~trl_dta.generation.CachedGenerate`] samples the same turns forwarding each
-    token once."""
+def model_generate_fn(model, tokenizer, generation_config=None, **generation_kwargs) -> Generator:
+    """A [`~trl_dta.generation.Generator`] that samples turns with `model.generate` on the whole prefixes (the
+    re-prefill path, see `trl_dta.generation.sampling`); [`~trl_dta.generation.CachedGenerate`] samples the same turns
+    forwarding each token once."""
     return reprefill_generate_fn(model, tokenizer, generation_config, **generation_kwargs)

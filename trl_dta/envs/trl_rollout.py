@@ -14,9 +14,10 @@ trainer = GRPOTrainer(model=model, processing_class=tokenizer, train_dataset=bui
 Here `prompt_ids` is the episode's prompt and `completion_ids` the rest of the conversation (the "episode" layout).
 The extra keys `episode_reward` (`float`), `turn_spans` (`[[start, end], ...]`, positions of the agent turns in
 `prompt_ids + completion_ids`), `end_reason` and `success` carry what a per-turn layout needs to cut an episode into
-one sample per turn. Generation uses the trainer's model through TRL's `unwrap_model_for_generation` and the
-trainer's sampling settings (`trainer.generation_config`: temperature, top-p, top-k, ...), with
-`max_completion_length` as the budget of each *turn* (64 fits every gold call of the retail domain).
+one sample per turn. Generation uses the trainer's policy as a generator (`trl_dta.trainers.policy`: the model held as
+TRL holds it for generation, ZeRO-3 and FSDP parameters gathered as TRL gathers them) and the trainer's sampling
+settings (`trainer.generation_config`: temperature, top-p, top-k, ...), with `max_completion_length` as the budget of
+each *turn* (64 fits every gold call of the retail domain).
 
 Generation reuses each episode's key/value cache between turns (`generation_cache=True`, the default:
 [`~trl_dta.generation.CachedGenerate`]): the system prompt and each task's opening are prefilled once per rollout
@@ -43,7 +44,6 @@ import time
 from datasets import Dataset
 
 from .._checks import check_bool, check_int
-from ..generation import CachedGenerate, count_forward_tokens, reprefill_generate_fn
 from .env import RetailDomain
 from .rollout import check_branching, check_copyable, episode_columns, play_episodes
 
@@ -128,7 +128,7 @@ class AgentRolloutFunc:
             task_ids = task_ids[::group]
             tree = dict(branching=self.branching, branch_turns=self.branch_turns)
         timings: dict = {}
-        with policy_generator(trainer, trainer.processing_class, self.generation_cache) as meter:
+        with rollout_meter(trainer, trainer.processing_class, self.generation_cache) as meter:
             episodes = play_episodes(self.domain, task_ids, meter, trainer.processing_class,
                                      max_turns=self.max_turns, max_turn_tokens=trainer.max_completion_length,
                                      max_tokens=self.max_tokens, timings=timings, **tree)
@@ -142,20 +142,28 @@ class AgentRolloutFunc:
 
 
 class RolloutMeter:
-    """The policy's [`~trl_dta.generation.GenerateFn`] for one rollout, timed and counted (see [`policy_generator`]).
+    """The policy's [`~trl_dta.generation.Generator`] for one rollout, timed and counted (see [`rollout_meter`]).
 
     Attributes:
-        generated (`int`): tokens sampled; forward_tokens (`list[int]`): one element, positions forwarded;
-        generation_s (`float`): seconds in the policy's calls; start (`float`): `time.perf_counter()` at the start.
+        generated (`int`): tokens sampled; generation_s (`float`): seconds in the policy's calls; start (`float`):
+        `time.perf_counter()` at the start; stats: the generator's (`forward_tokens`: positions forwarded).
     """
 
-    def __init__(self, generate, forward_tokens: list[int]):
-        self.generate, self.forward_tokens = generate, forward_tokens
+    def __init__(self, generate):
+        self.generate = generate
         self.generated, self.generation_s, self.start = 0, 0.0, time.perf_counter()
 
-    def __call__(self, prefixes, max_new_tokens):
+    @property
+    def generation_config(self):
+        return self.generate.generation_config
+
+    @property
+    def stats(self):
+        return self.generate.stats
+
+    def __call__(self, prefixes, max_new_tokens, **kwargs):
         start = time.perf_counter()
-        outputs = self.generate(prefixes, max_new_tokens)
+        outputs = self.generate(prefixes, max_new_tokens, **kwargs)
         self.generation_s += time.perf_counter() - start
         self.generated += sum(len(g.ids) for g in outputs)
         return outputs
@@ -165,7 +173,7 @@ class RolloutMeter:
         metrics = trainer._metrics["train" if trainer.model.training else "eval"]
         total = time.perf_counter() - self.start
         metrics["dta/rollout_tokens"].append(float(sum(len(e.ids) for e in episodes)))
-        metrics["dta/rollout_forward_tokens"].append(float(self.forward_tokens[0]))
+        metrics["dta/rollout_forward_tokens"].append(float(self.stats.forward_tokens))
         metrics["dta/rollout_generation_s"].append(self.generation_s)
         metrics["dta/rollout_reward_s"].append(reward_s)
         metrics["dta/rollout_env_s"].append(max(0.0, total - self.generation_s - reward_s))
@@ -173,21 +181,14 @@ class RolloutMeter:
 
 
 @contextlib.contextmanager
-def policy_generator(trainer, tokenizer, generation_cache: bool):
-    """The trainer's model, unwrapped for generation as TRL does, as a [`RolloutMeter`] over
-    [`~trl_dta.generation.CachedGenerate`] (or the re-prefill path) with the trainer's sampling settings."""
-    from trl.models.utils import unwrap_model_for_generation
+def rollout_meter(trainer, tokenizer, generation_cache: bool):
+    """The trainer's policy as a generator (`trl_dta.trainers.policy.policy_generator`: unwrapped as TRL does, with
+    the trainer's sampling settings; [`~trl_dta.generation.CachedGenerate`] or the re-prefill path), in a
+    [`RolloutMeter`]."""
+    from ..trainers.policy import policy_generator
 
-    with unwrap_model_for_generation(
-        trainer.model_wrapped, trainer.accelerator, gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
-        generation_kwargs=trainer.generation_kwargs,
-        gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
-    ) as model, count_forward_tokens(model) as forwarded:
-        if generation_cache:
-            generate = CachedGenerate(model, tokenizer, trainer.generation_config)
-        else:
-            generate = reprefill_generate_fn(model, tokenizer, trainer.generation_config)
-        yield RolloutMeter(generate, forwarded)
+    with policy_generator(trainer, tokenizer, cache=generation_cache) as generator:
+        yield RolloutMeter(generator)
 
 
 def _column(name: str, completions: list, values: list | None) -> list[float]:

@@ -1,10 +1,11 @@
-"""The rollout loop's model calls: one turn per prefix, sampled with the policy and TRL's generation settings.
+"""The transformers implementations of the generation seam ([`~generation.seam.Generator`]): the policy sampled with
+`model.generate` and TRL's generation settings.
 
-A [`GenerateFn`] takes the token prefixes of the unfinished episodes and a token budget per prefix, and returns one
-generated turn per prefix. Two implementations, both `model.generate` with the caller's `GenerationConfig` (a TRL
-trainer's `generation_config`, merged by transformers with the model's own, as every `generate` call merges it), so
-temperature, top-k/p, min-p, repetition penalty, bad words, `min_new_tokens`, EOS handling and every other logits
-processor or stopping criterion act as in TRL's own generation:
+A generator takes a batch of token prefixes (each episode's conversation, or each tree node's prompt and segments), a
+token budget per prefix and a number of samples per prefix, and returns the samples. Two implementations, both
+`model.generate` with the caller's `GenerationConfig` (a TRL trainer's `generation_config`, merged by transformers with
+the model's own, as every `generate` call merges it), so temperature, top-k/p, min-p, repetition penalty, bad words,
+`min_new_tokens`, EOS handling and every other logits processor or stopping criterion act as in TRL's own generation:
 
 - [`reprefill_generate_fn`]: plain `model.generate` on the left-padded batch of whole prefixes: every call prefills
   every prefix again, the system prompt and every earlier turn included (O(turns x context) per episode);
@@ -27,25 +28,41 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Sequence
 
 import torch
 from transformers import GenerationConfig
 
 from .._checks import check_int
-from .prefix_cache import PrefixCache
+from .prefix_cache import CacheStats, PrefixCache
+from .seam import Generation
 
 
-class Generation(NamedTuple):
-    """One generated turn: its token ids and, if the generator has them, their sampling log-probs (same length)."""
+def effective_generation_config(model, generation_config):
+    """What `model.generate(generation_config=generation_config)` samples with: the trainer's settings over the
+    model's own `generation_config` (its `generation_config.json`), then transformers' global defaults.
 
-    ids: list[int]
-    logprobs: list[float] | None
+    transformers fills every field the passed config leaves unset (`None`) from `model.generation_config`, then from
+    the global defaults (`GenerationMixin._prepare_generation_config`, transformers 5.24); this calls that merge, so a
+    checkpoint's `forced_eos_token_id`, `min_new_tokens` or `num_beams` is seen where `generate` would apply it. The
+    merge of a merged config is itself (only unset fields are filled).
+
+    Args:
+        model (`transformers.PreTrainedModel`): the policy (a PEFT model forwards to its base model).
+        generation_config (`transformers.GenerationConfig`): the trainer's (TRL's sampling fields and
+            `generation_kwargs`).
+
+    Returns:
+        `transformers.GenerationConfig`: a new config with every field set (`tree_sampling.level_generation_config`
+        unsets `max_length` and `min_length` again, which `generate` derives from `max_new_tokens` / `min_new_tokens`).
+    """
+    merged, _ = model._prepare_generation_config(copy.deepcopy(generation_config))
+    return merged
 
 
-# (prefixes, max_new_tokens per prefix) -> one Generation per prefix, each with 1..max_new_tokens ids.
-GenerateFn = Callable[[list[list[int]], list[int]], list[Generation]]
+def _repeat(values: Sequence, n: int) -> list:
+    """Each value `n` times in a row: the rows of `n` samples per prompt."""
+    return [value for value in values for _ in range(n)]
 
 
 class _Setup:
@@ -84,20 +101,35 @@ class _Setup:
         return config
 
     def cut(self, out, width: int, max_new_tokens: list[int]) -> list[Generation]:
-        """Each row's turn: cut after its first stop token and at its own budget, with its processed log-probs."""
+        """Each row's sample: cut after its first stop token and at its own budget, with its processed log-probs when
+        `out` has the scores, and its raw logits when `out` has them."""
         new_ids = out.sequences[:, width:]  # (B, new_tokens)
-        scores = torch.stack(out.scores, dim=1).float()  # (B, new_tokens, vocab), processed
-        logprobs = scores.log_softmax(-1).gather(-1, new_ids.unsqueeze(-1)).squeeze(-1)  # (B, new_tokens)
+        logprobs = logits = None
+        if out.scores is not None:
+            scores = torch.stack(out.scores, dim=1).float()  # (B, new_tokens, vocab), processed
+            logprobs = scores.log_softmax(-1).gather(-1, new_ids.unsqueeze(-1)).squeeze(-1)  # (B, new_tokens)
+        if out.logits is not None:
+            logits = torch.stack(out.logits, dim=1)  # (B, new_tokens, vocab), raw
         generations = []
         for row, budget in enumerate(max_new_tokens):
             ids = new_ids[row, :budget].tolist()
             end = next((k + 1 for k, token in enumerate(ids) if token in self.stop_ids), len(ids))
-            generations.append(Generation(ids[:end], logprobs[row, :end].tolist()))
+            generations.append(Generation(ids[:end], None if logprobs is None else logprobs[row, :end].tolist(),
+                                          None if logits is None else logits[row, :end]))
         return generations
 
 
-def reprefill_generate_fn(model, tokenizer, generation_config=None, **generation_kwargs) -> GenerateFn:
-    """A [`GenerateFn`] that calls `model.generate` on the left-padded batch of whole prefixes (no reuse).
+def _checked(prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], n: int):
+    """The call's rows: each prompt and its budget `n` times (the seam's arguments checked)."""
+    if len(prompts) != len(max_new_tokens) or not prompts:
+        raise ValueError(f"got {len(prompts)} prompts and {len(max_new_tokens)} budgets (at least one each).")
+    n = check_int("n", n, minimum=1)
+    return _repeat([list(p) for p in prompts], n), _repeat(list(max_new_tokens), n)
+
+
+def reprefill_generate_fn(model, tokenizer, generation_config=None, **generation_kwargs) -> ReprefillGenerate:
+    """A [`~generation.seam.Generator`] that calls `model.generate` on the left-padded batch of whole prefixes (no
+    reuse): [`ReprefillGenerate`].
 
     The log-probs are those of the processed distribution each token was drawn from (after temperature, top-k,
     top-p), as vLLM's `processed_logprobs`; they cost `(batch, new_tokens, vocab)` floats of scores while generating.
@@ -109,20 +141,42 @@ def reprefill_generate_fn(model, tokenizer, generation_config=None, **generation
             `generation_config`. Defaults to plain sampling: temperature 1, no top-k, no top-p.
         **generation_kwargs: overrides of the generation config (e.g. `temperature=0.7`).
     """
-    setup = _Setup(tokenizer, generation_config, **generation_kwargs)
+    return ReprefillGenerate(model, _Setup(tokenizer, generation_config, **generation_kwargs))
 
-    def generate(prefixes: list[list[int]], max_new_tokens: list[int]) -> list[Generation]:
-        input_ids, attention_mask = setup.batch(prefixes, model.device)
-        with torch.no_grad():
-            out = model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                 generation_config=setup.config(max_new_tokens))
-        return setup.cut(out, input_ids.shape[1], max_new_tokens)
 
-    return generate
+class ReprefillGenerate:
+    """`model.generate` on whole prefixes, as a [`~generation.seam.Generator`] (made by [`reprefill_generate_fn`]).
+
+    Attributes:
+        stats ([`CacheStats`]): `forward_tokens`: token positions forwarded (padding included); the rest 0.
+    """
+
+    def __init__(self, model, setup: _Setup):
+        self.model, self.setup = model, setup
+        self.stats = CacheStats()
+
+    @property
+    def generation_config(self) -> GenerationConfig:
+        """The settings a call without `settings` samples with (the caller's over the model's own)."""
+        return effective_generation_config(self.model, self.setup.base)
+
+    def __call__(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *, n: int = 1,
+                 settings: GenerationConfig | None = None) -> list[Generation]:
+        """`n` samples per prompt (the [`~generation.seam.Generator`] contract)."""
+        rows, budgets = _checked(prompts, max_new_tokens, n)
+        setup = self.setup if settings is None else _Setup.like(self.setup, settings)
+        scores = settings is None or bool(settings.output_scores)
+        input_ids, attention_mask = setup.batch(rows, self.model.device)
+        with torch.no_grad(), count_forward_tokens(self.model) as forwarded:
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                      generation_config=setup.config(budgets, scores))
+        self.stats.forward_tokens += forwarded[0]
+        return setup.cut(out, input_ids.shape[1], budgets)
 
 
 class CachedGenerate:
-    """A [`GenerateFn`] that keeps every episode's keys/values between calls and forwards only new tokens.
+    """A [`~generation.seam.Generator`] that keeps every episode's keys/values between calls and forwards only new
+    tokens.
 
     Make one per rollout (the cache holds keys/values of the weights it was filled with). A call's prefixes are
     matched to the rows of the previous call: a prefix that extends a row's tokens (its episode's previous prefix and
@@ -130,11 +184,11 @@ class CachedGenerate:
     extends are released, and prefixes that extend none start new rows (the first call's prompts: their common prefix
     and each distinct prompt become shared nodes, see [`PrefixCache.add_prompts`]).
 
-    Tree samplers call [`generate`] level by level: a level's prefixes are its parents' (prompt + sampled segments),
-    each repeated once per child, so every parent's row branches (`PrefixCache.branch`: its segment, with its last
+    Tree samplers call it level by level: a level's prefixes are its parents' (prompt + sampled segments), each
+    sampled `n` times (once per child), so every parent's row branches (`PrefixCache.branch`: its segment, with its last
     sampled token forwarded once, becomes a node the children share, never copied per child) and the prompt and every
-    segment are held and forwarded once; `generation_config=` per call adapts `max_new_tokens` / `min_new_tokens` to
-    the level, and `output_logits=True` returns the raw logits of every sampled token.
+    segment are held and forwarded once; `settings=` per call adapts `min_new_tokens` to the level, and
+    `output_logits=True` in them returns the raw logits of every sampled token.
 
     Args:
         model ([`~transformers.PreTrainedModel`]): the policy (its mode is left as it is).
@@ -146,6 +200,7 @@ class CachedGenerate:
 
     Attributes:
         cache ([`PrefixCache`]): the cache (`cache.stats.forward_tokens`: tokens forwarded so far).
+        stats ([`CacheStats`]): the cache's.
     """
 
     def __init__(self, model, tokenizer, generation_config=None, *, chunk_tokens: int = 512,
@@ -155,11 +210,24 @@ class CachedGenerate:
         self.cache = PrefixCache(model, chunk_tokens=chunk_tokens, max_batch_tokens=max_batch_tokens)
         self._rows: list[int] = []  # the previous call's rows, in its order
 
-    def __call__(self, prefixes: list[list[int]], max_new_tokens: list[int]) -> list[Generation]:
-        """One turn per prefix (the [`GenerateFn`] contract): cut after its first stop token and at its budget, with
-        the processed log-probs of its tokens."""
-        out = self.generate(prefixes, max_new_tokens)
-        return self.setup.cut(out, max(map(len, prefixes)), max_new_tokens)
+    @property
+    def generation_config(self) -> GenerationConfig:
+        """The settings a call without `settings` samples with (the caller's over the model's own)."""
+        return effective_generation_config(self.model, self.setup.base)
+
+    @property
+    def stats(self) -> CacheStats:
+        return self.cache.stats
+
+    def __call__(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *, n: int = 1,
+                 settings: GenerationConfig | None = None) -> list[Generation]:
+        """`n` samples per prompt (the [`~generation.seam.Generator`] contract): each cut after its first stop token
+        and at its budget, with the processed log-probs of its tokens (with `settings`, if they set
+        `output_scores=True`)."""
+        rows, budgets = _checked(prompts, max_new_tokens, n)
+        setup = self.setup if settings is None else _Setup.like(self.setup, settings)
+        out = self.generate(rows, budgets, generation_config=settings)
+        return setup.cut(out, max(map(len, rows)), budgets)
 
     def generate(self, prefixes: list[list[int]], max_new_tokens: list[int], generation_config=None):
         """`model.generate` on the left-padded prefixes, decoded over the cache (what `__call__` cuts).

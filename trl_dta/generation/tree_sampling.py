@@ -29,8 +29,10 @@ of the prompt (`TreeStats.peak_kv_bytes`; `benchmarks/bench_tree_memory.py`: a 4
 peaks at 0.24 of independent sampling's key/value memory: twice the prompt, at the moment the prompt moves from the
 rows' buffer into its node). No token of a shared part is forwarded twice.
 
-Every level is one `model.generate` call over all of the level's children (decoded over the cache: transformers builds
-the logits processors and stopping criteria, `CachedGenerate` runs its sampling loop) with the settings `generate`
+Every level is one call of the generation seam ([`~generation.seam.Generator`]: each active node's prompt and segments,
+`n` = its children); with transformers' generate (`CachedGenerate`) that is one `model.generate` call over all of the
+level's children (decoded over the cache: transformers builds the logits processors and stopping criteria,
+`CachedGenerate` runs its sampling loop) with the settings `generate`
 would use for TRL's own sampling ([`effective_generation_config`]: the trainer's `generation_config` over the model's
 `generation_config.json`), only `max_new_tokens` and, when set, `min_new_tokens` adapted to the level
 ([`level_generation_config`]). So the logits processors are TRL's: temperature, top-k, top-p, min-p and
@@ -64,7 +66,8 @@ from types import SimpleNamespace
 import torch
 from transformers import GenerationConfig
 
-from .sampling import CachedGenerate
+from .sampling import CachedGenerate, effective_generation_config
+from .seam import Generator
 
 # GenerationConfig attributes whose effect depends on where a `generate` call starts (its input length, its
 # `max_length`, its wall clock), or that do not sample the policy, so a tree of segment-wise calls would not sample
@@ -94,27 +97,6 @@ TREE_OFF = "or set `dta_tree_branching=None` to sample completions independently
 REQUIRED_GENERATION = {"do_sample": True, "num_beams": 1, "num_return_sequences": 1}
 # `generate` overrides these in every call (`max_new_tokens` wins over `max_length`), so a checkpoint's value is inert.
 _INERT_FROM_MODEL = ("max_length",)
-
-
-def effective_generation_config(model, generation_config):
-    """What `model.generate(generation_config=generation_config)` samples with: the trainer's settings over the
-    model's own `generation_config` (its `generation_config.json`), then transformers' global defaults.
-
-    transformers fills every field the passed config leaves unset (`None`) from `model.generation_config`, then from
-    the global defaults (`GenerationMixin._prepare_generation_config`, transformers 5.24); this calls that merge, so a
-    checkpoint's `forced_eos_token_id`, `min_new_tokens` or `num_beams` is seen where `generate` would apply it.
-
-    Args:
-        model (`transformers.PreTrainedModel`): the policy (a PEFT model forwards to its base model).
-        generation_config (`transformers.GenerationConfig`): the trainer's (TRL's sampling fields and
-            `generation_kwargs`).
-
-    Returns:
-        `transformers.GenerationConfig`: a new config with every field set ([`level_generation_config`] unsets
-        `max_length` and `min_length` again, which `generate` derives from `max_new_tokens` / `min_new_tokens`).
-    """
-    merged, _ = model._prepare_generation_config(copy.deepcopy(generation_config))
-    return merged
 
 
 def check_generation_config(generation_config, model=None) -> None:
@@ -164,12 +146,15 @@ class RolloutTree:
             for the levels its path reaches (a leaf whose node ended at level `l` has `l + 1` entries).
         starts (`list[int]`): completion position where level `l`'s segment starts (`0, S, 2S, ...`).
         generated_tokens (`int`): tokens sampled for this tree (each node's segment once).
+        logprobs (`list[list[float]]`, *optional*): per leaf, its tokens' sampling log-probs, when the generator gave
+            them (`None` from transformers' generate with TRL's settings, as TRL's own transformers path).
     """
 
     leaves: list[list[int]]
     nodes: list[list[int]]
     starts: list[int]
     generated_tokens: int = 0
+    logprobs: list[list[float]] | None = None
 
     @property
     def independent_tokens(self) -> int:
@@ -203,16 +188,7 @@ class _Node:
     finished: bool
     children: list[_Node] = field(default_factory=list)
     logits: torch.Tensor | None = None  # (len(tokens), vocab)
-
-
-def _first_eos(tokens: torch.Tensor, eos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of `tokens` `(N, s)`: the number of tokens up to and including the first of the `eos` ids `(n_eos,)`,
-    or `s` when none, `(N,)` long; and whether the row has one, `(N,)` bool."""
-    is_eos = torch.isin(tokens, eos)
-    any_eos = is_eos.any(dim=1)
-    no_eos = torch.full_like(any_eos, tokens.size(1), dtype=torch.long)
-    first = torch.where(any_eos, is_eos.int().argmax(dim=1) + 1, no_eos)
-    return first, any_eos
+    logprobs: list[float] | None = None  # (len(tokens),)
 
 
 def level_budgets(n_levels: int, segment_length: int | None, max_new_tokens: int) -> list[int]:
@@ -246,7 +222,8 @@ def sample_trees(
     pad_token_id: int,
     return_logits: bool = False,
 ) -> tuple[list[RolloutTree], TreeStats]:
-    """Sample one tree of completions per prompt (see the module docstring).
+    """Sample one tree of completions per prompt with `model` (see the module docstring): [`sample_tree_levels`] over
+    a [`~generation.CachedGenerate`] of `model`.
 
     Args:
         model (`transformers.PreTrainedModel`): the (unwrapped) policy, in eval mode.
@@ -266,45 +243,74 @@ def sample_trees(
     """
     ids = SimpleNamespace(eos_token_id=list(eos_token_ids), pad_token_id=pad_token_id)
     generator = CachedGenerate(model, ids, generation_config)
-    stats = TreeStats()
+    return sample_tree_levels(generator, prompts, branching, segment_length, max_new_tokens, generation_config,
+                              eos_token_ids, return_logits)
+
+
+def sample_tree_levels(
+    generator: Generator,
+    prompts: list[list[int]],
+    branching: list[int],
+    segment_length: int | None,
+    max_new_tokens: int,
+    generation_config,
+    eos_token_ids: list[int],
+    return_logits: bool = False,
+) -> tuple[list[RolloutTree], TreeStats]:
+    """Sample one tree of completions per prompt, one `generator` call per level (see the module docstring).
+
+    Level `l` is one call: every active node's prompt and segments, `n = branching[l]`, the level's budget, and the
+    settings `generation_config` with `min_new_tokens` reduced by the completion tokens sampled before the level
+    ([`level_generation_config`]). A sample ends its node when it ends with one of `eos_token_ids`, falls short of
+    the budget or is at the last level.
+
+    Args:
+        generator ([`~generation.seam.Generator`]): the policy, for this call only (its shared prefixes are the
+            tree's).
+        generation_config (`transformers.GenerationConfig`): the settings each level's call adapts (a trainer's:
+            `generator.generation_config`).
+        return_logits (`bool`, *optional*, defaults to `False`): also return each leaf's raw logits (transformers'
+            generators; tests).
+        prompts, branching, segment_length, max_new_tokens, eos_token_ids: as in [`sample_trees`].
+
+    Returns:
+        `(trees, stats)`: a [`RolloutTree`] per prompt and the [`TreeStats`] of the call; each tree's `logprobs` when
+        the generator gave every sample's log-probs.
+    """
+    stats, eos = TreeStats(), set(eos_token_ids)
     roots = [_Node([], finished=False) for _ in prompts]
     active = list(roots)  # the nodes whose children the next level samples
     prefixes = [list(p) for p in prompts]  # each active node's prompt and segments
     for level, (children, budget) in enumerate(zip(branching, level_budgets(len(branching), segment_length,
                                                                              max_new_tokens))):
         last = level == len(branching) - 1
-        rows = [prefix for prefix in prefixes for _ in range(children)]  # each parent's row branches in the cache
         config = level_generation_config(generation_config, budget, level * (segment_length or 0))
-        config.return_dict_in_generate = True
         config.output_logits = return_logits
-        out = generator.generate(rows, [budget] * len(rows), generation_config=config)
-        new = out.sequences[:, max(map(len, rows)):]  # (n, s), s <= budget: after the left-padded prefixes
-        lengths, ended = _first_eos(new, torch.tensor(eos_token_ids, device=new.device))
-        step_logits = torch.stack(out.logits, dim=1) if return_logits else None  # (n, s, vocab)
+        samples = generator(prefixes, [budget] * len(prefixes), n=children, settings=config)  # prompt-major
         nodes = []
         parents = [node for node in active for _ in range(children)]
-        for r, parent in enumerate(parents):
-            n = int(lengths[r])
-            node = _Node(new[r, :n].tolist(), finished=bool(ended[r]) or last or n < budget)
-            if step_logits is not None:
-                node.logits = step_logits[r, :n]
+        for parent, sample in zip(parents, samples, strict=True):
+            ended = bool(sample.ids) and sample.ids[-1] in eos
+            node = _Node(list(sample.ids), finished=ended or last or len(sample.ids) < budget,
+                         logits=sample.logits, logprobs=sample.logprobs)
             parent.children.append(node)
             nodes.append(node)
         keep = [r for r, node in enumerate(nodes) if not node.finished]
         if last or not keep:
             break
         active = [nodes[r] for r in keep]
-        prefixes = [rows[r] + nodes[r].tokens for r in keep]
-    cache = generator.cache.stats
-    stats.forward_calls, stats.forward_tokens, stats.peak_kv_bytes = (cache.forward_calls, cache.forward_tokens,
-                                                                      cache.peak_kv_bytes)
+        prefixes = [prefixes[r // children] + nodes[r].tokens for r in keep]
+    generated = generator.stats
+    stats.forward_calls, stats.forward_tokens, stats.peak_kv_bytes = (generated.forward_calls,
+                                                                      generated.forward_tokens,
+                                                                      generated.peak_kv_bytes)
 
     trees, all_logits = [], []
     starts = [level * (segment_length or 0) for level in range(len(branching))]
     for root in roots:
         tree = RolloutTree([], [], starts)
         leaf_logits: list[torch.Tensor] = []
-        _collect(root.children, branching, 0, [], [], [], tree, leaf_logits, itertools.count())
+        _collect(root.children, branching, 0, [], [], tree, leaf_logits, itertools.count())
         trees.append(tree)
         all_logits.append(leaf_logits)
     if return_logits:
@@ -315,7 +321,9 @@ def sample_trees(
 @dataclass(frozen=True)
 class TreeSampler:
     """The settings of a rollout's tree sampling, as plain values: what [`sample_trees`] needs besides the model and
-    the prompts (the trainer hook reads them from TRL's state once, at construction).
+    the prompts (the trainer hook reads them from TRL's state once, at construction). [`sample`] samples through any
+    [`~generation.seam.Generator`] (the trainer's policy, `trainers/policy.py`), with the generator's sampling settings;
+    calling the sampler with a model samples through a [`~generation.CachedGenerate`] of it with these.
 
     Args:
         branching (`tuple[int, ...]`): children per level (`dta_tree_branching`).
@@ -323,7 +331,8 @@ class TreeSampler:
             (`dta_tree_segment_length`).
         max_new_tokens (`int`): the longest completion (`max_completion_length`).
         generation_config (`transformers.GenerationConfig`): the caller's sampling settings (TRL's
-            `generation_config`), merged with the model's own at every call ([`effective_generation_config`]).
+            `generation_config`), merged with the model's own at every call with a model
+            ([`effective_generation_config`]).
         eos_token_ids (`tuple[int, ...]`): tokens that end a completion.
         pad_token_id (`int`): the tokenizer's padding token.
     """
@@ -343,9 +352,16 @@ class TreeSampler:
     def __call__(self, model, prompts: list[list[int]]) -> tuple[list[RolloutTree], TreeStats]:
         """[`sample_trees`] of `prompts` (one tree per prompt) with these settings and `model`'s generation config
         under the caller's; `model` is the unwrapped policy, called under `torch.no_grad()`."""
-        return sample_trees(model, prompts, list(self.branching), self.segment_length, self.max_new_tokens,
-                            effective_generation_config(model, self.generation_config), list(self.eos_token_ids),
-                            self.pad_token_id)
+        ids = SimpleNamespace(eos_token_id=list(self.eos_token_ids), pad_token_id=self.pad_token_id)
+        return self.sample(CachedGenerate(model, ids, effective_generation_config(model, self.generation_config)),
+                           prompts)
+
+    @torch.no_grad()
+    def sample(self, generator: Generator, prompts: list[list[int]]) -> tuple[list[RolloutTree], TreeStats]:
+        """[`sample_tree_levels`] of `prompts` (one tree per prompt) with these settings over `generator` (a fresh
+        one: the policy as the trainer holds it for generation), each level adapting `generator.generation_config`."""
+        return sample_tree_levels(generator, prompts, list(self.branching), self.segment_length, self.max_new_tokens,
+                                  generator.generation_config, list(self.eos_token_ids))
 
     def metrics(self, trees: list[RolloutTree], stats: TreeStats) -> dict[str, float]:
         """What one generation of `trees` cost and gave (the trainer logs these next to TRL's metrics):
@@ -375,23 +391,29 @@ class TreeSampler:
         }
 
 
-def _collect(children: list[_Node], branching: list[int], level: int, tokens: list[int], path: list[int],
-             logits: list[torch.Tensor], tree: RolloutTree, leaf_logits: list, node_ids: Iterator[int]) -> None:
-    """Append the leaves below `children` (level `level`) to `tree` in depth-first order; `node_ids` numbers the
-    nodes in pre-order across the recursion."""
+def _collect(children: list[_Node], branching: list[int], level: int, above: list[_Node], ids: list[int],
+             tree: RolloutTree, leaf_logits: list, node_ids: Iterator[int]) -> None:
+    """Append the leaves below `children` (level `level`; `above`: their ancestors, `ids` theirs) to `tree` in
+    depth-first order, with their log-probs when every node has them; `node_ids` numbers the nodes in pre-order across
+    the recursion."""
     for node in children:
-        node_id = next(node_ids)
+        path, path_ids = above + [node], ids + [next(node_ids)]
         tree.generated_tokens += len(node.tokens)
-        seq, ids = tokens + node.tokens, path + [node_id]
-        lg = logits + ([node.logits] if node.logits is not None else [])
         if node.children:
-            _collect(node.children, branching, level + 1, seq, ids, lg, tree, leaf_logits, node_ids)
+            _collect(node.children, branching, level + 1, path, path_ids, tree, leaf_logits, node_ids)
             continue
+        seq = [token for n in path for token in n.tokens]
+        logprobs = None if any(n.logprobs is None for n in path) else [lp for n in path for lp in n.logprobs]
+        logits = [n.logits for n in path if n.logits is not None]
+        if tree.leaves and (tree.logprobs is None) != (logprobs is None):
+            raise RuntimeError("the generator gave log-probs for some samples only; please report this.")
+        if logprobs is not None and tree.logprobs is None:
+            tree.logprobs = []
         copies = math.prod(branching[level + 1:])  # a node that ended early stands for all the rows below it
         for _ in range(copies):
             tree.leaves.append(list(seq))
-            tree.nodes.append(list(ids))
-            if lg:
-                leaf_logits.append(torch.cat(lg))
-
-
+            tree.nodes.append(list(path_ids))
+            if logprobs is not None:
+                tree.logprobs.append(list(logprobs))
+            if logits:
+                leaf_logits.append(torch.cat(logits))

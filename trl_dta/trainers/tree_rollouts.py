@@ -1,8 +1,8 @@
 """Tree rollouts inside a `GRPOTrainer`: the TRL side of `dta_tree_branching`. A prompt's `num_generations`
 completions are sampled as one tree by the generation package (`trl_dta/generation/tree_sampling.py`), trained once by
 DTA, credited by `dta_tree_advantage` (`tree_advantages.py`). This module reads TRL's state (at construction: the
-settings tree rollouts cannot run with, the sampling settings, EOS and pad ids; per generation: the model unwrapped as
-TRL unwraps it for generation; the rank when scoring), calls the sampler and hands its metrics to the trainer.
+settings tree rollouts cannot run with, the sampling settings, EOS and pad ids; per generation: the trainer's policy as
+a generator, `policy.py`; the rank when scoring), calls the sampler and hands its metrics to the trainer.
 
 Rows. TRL's sampler repeats every prompt `num_generations` times in consecutive rows; `_generate_single_turn` must
 return one completion per row in that order. A group's rows receive its leaves in depth-first order (rows within a
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..generation.tree_sampling import TREE_OFF, RolloutTree, TreeSampler, check_generation_config
+from .policy import policy_generator
 from .tree_advantages import tree_advantages
 
 
@@ -116,28 +117,30 @@ class TreeRollouts:
         finally:
             self._open = None
 
-    def generate(self, trainer, prompt_ids: list[list[int]], num_generations: int) -> tuple[list[list[int]], None]:
+    def generate(self, trainer, prompt_ids: list[list[int]],
+                 num_generations: int) -> tuple[list[list[int]], list[list[float]] | None]:
         """TRL's `_generate_single_turn` for tree rollouts: one completion per row, in TRL's row order.
 
         Args:
-            trainer (`GRPOTrainer`): the trainer (its model as TRL unwraps it for generation, its metrics).
+            trainer (`GRPOTrainer`): the trainer (its policy as a generator, `policy.policy_generator`; its metrics).
             prompt_ids (`list[list[int]]`): the process's rows, each prompt repeated `num_generations` times in
                 consecutive rows (TRL's `RepeatSampler`).
             num_generations (`int`): rows per prompt, equal to the product of `dta_tree_branching`.
 
         Returns:
-            `(completion_ids, None)`: the rows' completions (EOS included when sampled) and no sampling log-probs
-            (as TRL's transformers path).
+            `(completion_ids, logprobs)`: the rows' completions (EOS included when sampled) and their sampling
+            log-probs when the generator gives them (`None` with transformers' generate, as TRL's transformers path).
         """
         groups = _prompt_groups(prompt_ids, num_generations)
-        with _generation_model(trainer) as model:
-            trees, stats = self.sampler(model, groups)
+        with policy_generator(trainer) as generator:
+            trees, stats = self.sampler.sample(generator, groups)
         if self._open is not None:
             self._open.trees = trees
         metrics = trainer._dta_mode_metrics()
         for name, value in self.sampler.metrics(trees, stats).items():
             metrics[name].append(value)
-        return [leaf for tree in trees for leaf in tree.leaves], None
+        logprobs = None if any(tree.logprobs is None for tree in trees) else [lp for t in trees for lp in t.logprobs]
+        return [leaf for tree in trees for leaf in tree.leaves], logprobs
 
     def observe_rewards(self, rewards_per_func: torch.Tensor) -> None:
         """Note which rows of the open generation TRL can score: `rewards_per_func` `(N, n_funcs)` is what TRL's
@@ -160,29 +163,6 @@ class TreeRollouts:
         output["advantages"] = tree_advantages(output["advantages"], trees, output["completion_ids"].size(1),
                                                self.advantage, scorable)
         return output
-
-
-@contextlib.contextmanager
-def _generation_model(trainer) -> Iterator[torch.nn.Module]:
-    """The policy as TRL's transformers generation path holds it: profiled as `transformers.generate`, unwrapped (and
-    ZeRO-3-gathered when TRL gathers) by `unwrap_model_for_generation`, under `torch.no_grad()`, with FSDP2's full
-    parameters summoned by the trainer's distributed strategy."""
-    from trl.extras.profiling import profiling_context
-    from trl.models import unwrap_model_for_generation
-
-    with (
-        profiling_context(trainer, "transformers.generate"),
-        unwrap_model_for_generation(
-            trainer.model_wrapped,
-            trainer.accelerator,
-            gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
-            generation_kwargs=trainer.generation_kwargs,
-            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
-        ) as model,
-        torch.no_grad(),
-        trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False),
-    ):
-        yield model
 
 
 def _prompt_groups(prompt_ids: list[list[int]], num_generations: int) -> list[list[int]]:

@@ -58,8 +58,9 @@ def turn_ids(tokenizer, message: dict | str) -> list[int]:
 
 
 class ScriptedPolicy:
-    """A `GenerateFn` that plays fixed turns (one script per prefix, found by the prompt it starts with), then
-    `filler` text turns; it stands in for a model where generation is not what is tested."""
+    """A generator (`trl_dta.generation.Generator`, as the agent loop calls it) that plays fixed turns (one script per
+    prefix, found by the prompt it starts with), then `filler` text turns; it stands in for a model where generation is
+    not what is tested."""
 
     def __init__(self, tokenizer, scripts: dict[tuple, list], filler: str = "Is there anything else?"):
         self.tokenizer, self.scripts, self.filler = tokenizer, scripts, filler

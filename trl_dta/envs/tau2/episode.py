@@ -25,9 +25,10 @@ import time
 from collections.abc import Sequence
 
 from ..._checks import check_int
+from ...generation import Generator
 from ..chat import ChatRenderer
 from ..reward import argument_credit, tool_credit
-from ..rollout import Episode, GenerateFn, check_branching, check_copyable, run_sessions
+from ..rollout import Episode, check_branching, check_copyable, run_sessions
 from ._seam import tau2_modules
 from .domain import Tau2Domain, call_tool, chat_tool_message, tau2_assistant_message
 from .user import ScriptedUser
@@ -171,7 +172,7 @@ class Tau2Session:
 def play_tau2_episodes(
     domain: Tau2Domain,
     task_ids: Sequence[str],
-    generate: GenerateFn,
+    generate: Generator,
     renderer: ChatRenderer,
     *,
     num_generations: int = 1,
@@ -190,7 +191,8 @@ def play_tau2_episodes(
     Args:
         domain ([`Tau2Domain`]): the domain.
         task_ids (`Sequence[str]`): tau2 task ids; repeats allowed (TRL passes each prompt `num_generations` times).
-        generate (`GenerateFn`): one turn per prefix (`envs.rollout.model_generate_fn` with the template's eos).
+        generate ([`~trl_dta.generation.Generator`]): the policy, one turn per prefix
+            (`envs.rollout.model_generate_fn` with the template's eos).
         renderer ([`~envs.chat.ChatRenderer`]): the policy's chat template with `domain.tool_schemas`.
         num_generations (`int`, *optional*, defaults to `1`): episodes per task.
         seed (`int`, *optional*, defaults to `0`): the scripted users' seed.

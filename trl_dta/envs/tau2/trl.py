@@ -26,7 +26,7 @@ from datasets import Dataset
 from ..._checks import check_bool, check_int
 from ..chat import ChatRenderer
 from ..rollout import episode_columns as rollout_columns
-from ..trl_rollout import policy_generator
+from ..trl_rollout import rollout_meter
 from .domain import Tau2Domain
 from .episode import play_tau2_episodes
 from .user import ScriptedUser
@@ -95,7 +95,7 @@ class Tau2RolloutFunc:
         renderer = self._renderers[id(tokenizer)]
         task_ids = [self.task_id_of(prompt) for prompt in prompts]
         timings: dict = {}
-        with policy_generator(trainer, renderer.tokenizer, self.generation_cache) as meter:
+        with rollout_meter(trainer, renderer.tokenizer, self.generation_cache) as meter:
             episodes = play_tau2_episodes(self.domain, task_ids, meter, renderer, seed=self.seed,
                                           user_factory=self.user_factory, max_turns=self.max_turns,
                                           max_turn_tokens=trainer.max_completion_length, max_tokens=self.max_tokens,
