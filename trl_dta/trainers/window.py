@@ -2,8 +2,8 @@
 
 The mixin (`_mixin.py`) reads TRL's state once into a frozen [`WindowContext`] (the window's micro-steps and
 micro-batches, the backward's scale, the temperature, the per-sequence objective, TRL's objective of a micro-batch for
-the two-pass path, the router loss's coefficient) and writes the [`WindowResult`] back (stored micro-steps, metrics).
-Everything in between is here and depends on nothing of TRL:
+the two-pass path, the router loss's coefficient) and writes the [`WindowResult`] back (the micro-steps stored in its
+[`HookState`], the metrics). Everything in between is here and depends on nothing of TRL:
 
 1. the window's forest (`step_forest.StepForest`) of the micro-batches DTA handles (vision inputs and unusual padding
    are left to TRL's dense path; under a lockstep strategy all or none of them, so that the ranks' model calls pair);
