@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -121,6 +122,10 @@ def test_the_adapter_lists_every_access_and_override(names):
     for name, (version, _) in {**_trl.PRIVATE_ATTRIBUTES, **_trl.OVERRIDDEN_HOOKS}.items():
         assert name in names, f"TRL no longer has `{name}`: see trl_dta/trainers/_trl.py"
         assert ".".join(version.split(".")[:2]) in TESTED_TRL_VERSIONS, (name, version)
+    lines = ADAPTER.read_text().splitlines()
+    unversioned = [f"{line}: {lines[line - 1].strip()}" for line, _ in adapter.accesses
+                   if not re.search(r"# TRL \d+\.\d+", lines[line - 1])]
+    assert not unversioned, "a private access without the TRL version it was read from:\n" + "\n".join(unversioned)
 
 
 def test_the_walk_finds_a_private_access(names):

@@ -4,7 +4,8 @@ was read from; everything else in `trl_dta` calls these functions and holds plai
 (`tests/trainers/test_trl_boundary.py` fails on a private TRL access anywhere else).
 
 An upgrade of TRL is a read of this module against the new `trl/trainer/grpo_trainer.py` and `rloo_trainer.py`: each
-entry of [`PRIVATE_ATTRIBUTES`] and [`OVERRIDDEN_HOOKS`] names what to check.
+entry of [`PRIVATE_ATTRIBUTES`] and [`OVERRIDDEN_HOOKS`] names what to check (another TRL minor version than
+`config.TESTED_TRL_VERSIONS` gets a warning at construction).
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-
-TRL_VERSION = "1.16.0"  # the version every entry below was read from (`config.TESTED_TRL_VERSIONS` warns on others)
 
 # TRL's private attributes and methods read, written or called below (name -> TRL version, what for).
 PRIVATE_ATTRIBUTES = {
@@ -134,8 +133,8 @@ def unlogged(trainer) -> Iterator[None]:
     seen before the call (and the names it added) leaves them as they were."""
     logged = trainer._metrics  # TRL 1.16.0
     lengths = {mode: {name: len(values) for name, values in per_mode.items()} for mode, per_mode in logged.items()}
-    controller = {name: getattr(trainer, name) for name in ("entropy_coef", "_last_world_entropy",
-                                                             "_entropy_window_stats") if hasattr(trainer, name)}
+    names = ("entropy_coef", "_last_world_entropy", "_entropy_window_stats")  # TRL 1.16.0: GRPO's controller
+    controller = {name: getattr(trainer, name) for name in names if hasattr(trainer, name)}
     try:
         yield
     finally:
@@ -144,5 +143,5 @@ def unlogged(trainer) -> Iterator[None]:
                 del per_mode[name]
             for name, length in lengths.get(mode, {}).items():
                 del per_mode[name][length:]
-        for name, value in controller.items():  # TRL 1.16.0: GRPO's `_compute_loss` sets these three
+        for name, value in controller.items():  # GRPO's `_compute_loss` sets them at a window's last micro-step
             setattr(trainer, name, value)
