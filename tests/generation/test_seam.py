@@ -20,6 +20,7 @@ from trl_dta.generation import CacheStats, Generation, TreeSampler
 from trl_dta.tiny import build_model as build_tiny_model
 from trl_dta.tiny import build_tokenizer
 from trl_dta.trainers import policy, tree_rollouts
+from trl_dta.trainers.window import HookState
 
 
 class PlainGenerate:
@@ -68,7 +69,8 @@ def test_a_second_generator_plugs_into_tree_rollouts(monkeypatch):
     _plug(monkeypatch, generator)
     rollouts = tree_rollouts.TreeRollouts(TreeSampler((2, 2), 2, 5, config, (EOS,), PAD), "group")
     metrics = defaultdict(list)
-    trainer = SimpleNamespace(_dta_mode_metrics=lambda: metrics)
+    trainer = SimpleNamespace(model=SimpleNamespace(training=True), _metrics={"train": metrics},
+                              _dta_state=HookState())
     prompts = [[5, 6, 7, 3]] * 4 + [[9, 4]] * 4
     torch.manual_seed(0)
     completions, logprobs = rollouts.generate(trainer, prompts, 4)

@@ -178,8 +178,9 @@ def test_one_forest_per_optimizer_step(tmp_path, model_dir, tokenizer, dataset):
                 super()._dta_run_window(model, inputs, num_items_in_batch)
             finally:
                 del engine.forward_backward
-            steps = sorted(self._dta_micro_steps)
-            parts = [PrefixTree.from_sequences(Layout.from_batch(self._dta_micro_steps[s].batch).seqs) for s in steps]
+            micro_steps = self._dta_state.micro_steps
+            steps = sorted(micro_steps)
+            parts = [PrefixTree.from_sequences(Layout.from_batch(micro_steps[s].batch).seqs) for s in steps]
             forests.append((steps, calls, parts))
 
     config = dict(steps_per_generation=3, per_device_train_batch_size=4, gradient_accumulation_steps=2, steps=3,

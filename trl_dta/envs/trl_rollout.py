@@ -23,11 +23,11 @@ Generation reuses each episode's key/value cache between turns (`generation_cach
 [`~trl_dta.generation.CachedGenerate`]): the system prompt and each task's opening are prefilled once per rollout
 and shared by the episodes' caches, and each turn forwards only the environment's reply and the sampled tokens; the
 sampled turns are those `model.generate` on the whole prefixes would sample (`generation_cache=False`, the re-prefill
-path). Logged next to TRL's metrics per rollout: `dta/rollout_tokens` (tokens of the rollout's episodes, each
-episode once at its final length), `dta/rollout_forward_tokens` (token positions the policy forwarded while
-generating, padding included), `dta/rollout_generation_s`, `dta/rollout_env_s` (tools, users) and
-`dta/rollout_reward_s` (the grader). TRL's own tool loop (`environment_factory=`, `RetailToolEnv`) generates with
-TRL's `generate` calls: no cache reuse there.
+path). Logged next to TRL's metrics per rollout (through `trainers/_trl.py`, the one reader of TRL's private state):
+`dta/rollout_tokens` (tokens of the rollout's episodes, each episode once at its final length),
+`dta/rollout_forward_tokens` (token positions the policy forwarded while generating, padding included),
+`dta/rollout_generation_s`, `dta/rollout_env_s` (tools, users) and `dta/rollout_reward_s` (the grader). TRL's own tool
+loop (`environment_factory=`, `RetailToolEnv`) generates with TRL's `generate` calls: no cache reuse there.
 
 An episode ends on an agent turn, so TRL's `mask_truncated_completions=True` drops every episode whose last turn did
 not end with the end-of-turn token (one cut by `max_completion_length` or by the episode's `max_tokens`). TRL's vLLM
@@ -170,7 +170,9 @@ class RolloutMeter:
 
     def log(self, trainer, episodes, reward_s: float):
         """Appends the rollout metrics (module docstring) to the trainer's metrics of its mode; returns them."""
-        metrics = trainer._metrics["train" if trainer.model.training else "eval"]
+        from ..trainers._trl import metrics as trl_metrics  # TRL's private state is read there only
+
+        metrics = trl_metrics(trainer)
         total = time.perf_counter() - self.start
         metrics["dta/rollout_tokens"].append(float(sum(len(e.ids) for e in episodes)))
         metrics["dta/rollout_forward_tokens"].append(float(self.stats.forward_tokens))

@@ -1,6 +1,6 @@
-"""Dynamic Tree Attention inside TRL's trainers: the TRL hooks `DTAGRPOTrainer` and `DTARLOOTrainer` override. This
-module reads and writes TRL's private state (elsewhere only `tree_rollouts.py`, TRL's generation context, and
-`envs/trl_rollout.py`, TRL's metrics); what it hands on are plain values.
+"""Dynamic Tree Attention inside TRL's trainers: the TRL hooks `DTAGRPOTrainer` and `DTARLOOTrainer` override. TRL's
+private state is read and written through `_trl.py` (the one module that touches it); what the hooks hand on are plain
+values, and what they share between calls is one [`~trl_dta.trainers.window.HookState`] (`_dta_state`).
 
 - `_prepare_inputs` (training): TRL's own, unless an opt-in regrouping applies (`micro_batches.py`: prompt groups kept
   in one micro-batch, `dta_group_shuffle`; groups exchanged between ranks, `dta_balance`). With
@@ -17,8 +17,8 @@ module reads and writes TRL's private state (elsewhere only `tree_rollouts.py`, 
 - `training_step`: tracks the window; the distributed engine's strategy (`trl_dta.parallel`: DDP, FSDP2, DeepSpeed
   ZeRO, chosen from what accelerate set up) gathers at its start and reduces the gradients once at its end.
 
-The replay is the one side channel left: TRL's `_compute_loss` computes its log-probs itself, through
-`_get_per_token_logps_and_entropies`, so the engine's are handed to it through that override (`_dta_replay`).
+The replay: TRL's `_compute_loss` computes its log-probs itself, through `_get_per_token_logps_and_entropies`, so the
+engine's are handed to it through that override (`_dta_replay` sets `HookState.replay` around the call).
 
 Gradient scaling: the HF `Trainer` calls `accelerator.backward(compute_loss(...) / s)` with `s` the gradient
 accumulation (GRPO returns a loss already scaled, RLOO does not). The engine has already back-propagated the same
@@ -29,7 +29,6 @@ adds nothing to the model's gradients, and the value it logs is TRL's.
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
 
 import torch
 from trl.trainer.utils import (
@@ -45,6 +44,7 @@ from ..engine import DTAEngine
 from ..engine.router_loss import LoadBalancing
 from ..parallel import strategy_for
 from ..tree import PrefixTree
+from . import _trl
 from .config import DTAArguments, check_trainer_args, check_trl_version, graph_budget
 from .launch import check_launch
 from .layouts import ROW_WEIGHT_KEY
@@ -60,7 +60,7 @@ from .micro_batches import (
 )
 from .step_forest import Cadence, buffered_window
 from .support import check_policy, check_schedule
-from .window import MicroStep, WindowContext, as_trl_head_output, decide, run_window
+from .window import HookState, WindowContext, as_trl_head_output, decide, run_window
 
 
 class DTATrainerMixin:
@@ -78,7 +78,6 @@ class DTATrainerMixin:
     _dta_trl_class: type
     _dta_config_class: type
     _dta_loss_class: type
-    _dta_replay_values: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
     _dta_aux_per_micro_step: bool = False  # TRL's `_compute_loss` divides the aux term by the accumulation steps
 
     def __init__(self, model, reward_funcs=None, args=None, *extra, **kwargs):
@@ -98,10 +97,7 @@ class DTATrainerMixin:
         """Settings and config checks, before the TRL trainer is built."""
         self._dta = DTAArguments.from_config(args)
         self._dta_engines: dict[int, DTAEngine] = {}
-        self._dta_step_time = 0.0
-        self._dta_cost_samples: list[tuple[float, float, float, float]] = []
-        self._dta_window_position = 0  # micro-steps done in the current accumulation window
-        self._dta_micro_steps: dict[int, MicroStep] = {}  # computed by the window's forest, keyed by TRL's `_step`
+        self._dta_state = HookState()
         if not self._dta.dta_enabled:
             return
         check_trl_version()
@@ -118,9 +114,9 @@ class DTATrainerMixin:
         self._dta_parallel = strategy_for(self.accelerator, self._dta.dta_fsdp_schedule)
         model = self.accelerator.unwrap_model(self.model)
         # One refusal naming every blocker of the model and of TRL's use of it; builds the policy's engine.
-        check_policy(model, is_vlm=self._is_vlm, aux_loss_enabled=self.aux_loss_enabled,
+        check_policy(model, is_vlm=_trl.is_vlm(self), aux_loss_enabled=self.aux_loss_enabled,
                      build_engine=lambda: self._dta_engine(model))
-        if not self._is_vlm:
+        if not _trl.is_vlm(self):
             check_schedule(self._dta_engine(model), self._dta_parallel.lockstep)
         self._dta_cost_model = CostModel(hidden_size=model.config.get_text_config().hidden_size)
         if self._dta.dta_group_shuffle:
@@ -144,24 +140,13 @@ class DTATrainerMixin:
             gradient_accumulation_steps=self.args.gradient_accumulation_steps,
             num_generations=self.num_generations,
             loss_type=getattr(self, "loss_type", None),
-            entropy_bonus=getattr(self, "_entropy_bonus_enabled", False),
+            entropy_bonus=_trl.entropy_bonus_enabled(self),
             top_entropy_quantile=getattr(self, "top_entropy_quantile", 1.0),
             aux_loss=getattr(self, "aux_loss_enabled", False),
             importance_sampling_level=getattr(self, "importance_sampling_level", "token"),
-            pad_token_id=self._tokenizer.pad_token_id or 0,
+            pad_token_id=_trl.tokenizer(self).pad_token_id or 0,
             pad_to_multiple_of=self.pad_to_multiple_of,
         )
-
-    def _dta_entropy_coef(self) -> float:
-        """The entropy bonus's coefficient in this window (GRPO: TRL's adaptive mode gates it on the last measured
-        entropy); 0 without one."""
-        if not getattr(self, "_entropy_bonus_enabled", False):
-            return 0.0
-        gated = self.use_adaptive_entropy and not self._last_world_entropy <= self.args.entropy_target
-        return 0.0 if gated else self.entropy_coef
-
-    def _dta_mode_metrics(self) -> dict[str, list]:
-        return self._metrics["train" if self.model.training else "eval"]
 
     # ------------------------------------------------------------------ micro-batches
 
@@ -179,21 +164,21 @@ class DTATrainerMixin:
         # TRL's `_prepare_inputs` (train mode), with the rows exchanged between ranks (`dta_balance`) and/or
         # `shuffle_sequence_dict` + `split_tensor_dict` replaced by the group-aware split (`dta_group_shuffle`).
         spg = self.args.steps_per_generation
-        if self._dta_cadence.generates(self._step, self._buffered_inputs):
-            batch = split_pixel_values_by_grid(self._generate_and_score_completions(generation_batch))
+        if self._dta_cadence.generates(_trl.step(self), _trl.buffered_inputs(self)):
+            batch = split_pixel_values_by_grid(_trl.generate_and_score(self, generation_batch))
             if balance:
                 if self._dta.dta_cost_model == "fit":
                     self._dta_refit_cost_model()
                 batch, groups = balance_ranks(self.accelerator, self._dta_rows(), batch, self._dta_cost_model,
-                                              self._metrics["train"])
+                                              _trl.metrics(self, "train"))
             else:
                 groups = group_ids(self.accelerator.process_index, num_rows(batch), self.num_generations)
             if self._dta.dta_group_shuffle:
                 batches = split_by_groups(batch, spg, groups, self._dta_cost_model)
             else:
                 batches = split_tensor_dict(shuffle_sequence_dict(batch), spg)
-            self._buffered_inputs = [unsplit_pixel_values_by_grid(b) for b in batches]
-        return self._buffered_inputs[self._dta_cadence.index(self._step)]
+            _trl.set_buffered_inputs(self, [unsplit_pixel_values_by_grid(b) for b in batches])
+        return _trl.buffered_inputs(self)[self._dta_cadence.index(_trl.step(self))]
 
     def _dta_prepare_per_turn(self, generation_batch):
         """TRL's `_prepare_inputs` with one row per assistant turn, DTA on or off (`micro_batches.per_turn_buffer`):
@@ -203,25 +188,27 @@ class DTATrainerMixin:
         objective); in evaluation, the generation's turn rows, padded likewise."""
         if not self.model.training:
             return per_turn_eval_rows(self.accelerator, self._dta_rows(),
-                                      self._generate_and_score_completions(generation_batch))
-        if self._dta_cadence.generates(self._step, self._buffered_inputs):
-            batch = self._generate_and_score_completions(generation_batch)
+                                      _trl.generate_and_score(self, generation_batch))
+        if self._dta_cadence.generates(_trl.step(self), _trl.buffered_inputs(self)):
+            batch = _trl.generate_and_score(self, generation_batch)
             balance = self._dta.dta_enabled and self._dta.dta_balance and self.accelerator.num_processes > 1
             if balance and self._dta.dta_cost_model == "fit":
                 self._dta_refit_cost_model()
-            self._buffered_inputs = per_turn_buffer(self.accelerator, self._dta_rows(), batch, self._metrics["train"],
-                                                    balance, self._dta_cost_model if balance else None)
-        return self._buffered_inputs[self._dta_cadence.index(self._step)]
+            _trl.set_buffered_inputs(self, per_turn_buffer(self.accelerator, self._dta_rows(), batch,
+                                                           _trl.metrics(self, "train"), balance,
+                                                           self._dta_cost_model if balance else None))
+        return _trl.buffered_inputs(self)[self._dta_cadence.index(_trl.step(self))]
 
     def _dta_refit_cost_model(self) -> None:
-        self._dta_cost_model = refit_cost_model(self._dta_cost_model, self._dta_cost_samples)
+        self._dta_cost_model = refit_cost_model(self._dta_cost_model, self._dta_state.cost_samples)
 
     # ------------------------------------------------------------------ no-grad scoring
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
-        if self._dta_replay_values is not None:
-            logps, entropies, aux_loss = self._dta_replay_values
+        replay = self._dta_state.replay
+        if replay is not None:
+            logps, entropies, aux_loss = replay
             logps, entropies = as_trl_head_output(logps), as_trl_head_output(entropies)
             return logps, entropies if compute_entropy else None, aux_loss if compute_aux_loss else None
         args = (model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss)
@@ -229,20 +216,24 @@ class DTATrainerMixin:
             return super()._get_per_token_logps_and_entropies(*args, **multimodal)
         # Under FSDP2, the model is gathered for the call on every rank alike, whichever path runs (`parallel.fsdp2`).
         with self._dta_parallel.scoring(model):
-            return self._dta_score(*args, **multimodal)
+            scored = self._dta_score(*args, **multimodal)
+            if scored is None:  # TRL's dense path
+                return super()._get_per_token_logps_and_entropies(
+                    model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                    compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal,
+                )
+            return scored
 
     def _dta_score(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
                    compute_aux_loss=False, **multimodal):
-        """TRL's `_get_per_token_logps_and_entropies`, through the engine for no-grad calls whose batch compresses."""
+        """TRL's `_get_per_token_logps_and_entropies` through the engine for no-grad calls whose batch compresses;
+        None when TRL's dense path runs the call."""
         layout = tree = None
         if not torch.is_grad_enabled() and all(v is None for v in multimodal.values()):
             layout = Layout.from_padded(input_ids, attention_mask, logits_to_keep)
             tree = PrefixTree.from_sequences(layout.seqs) if layout is not None else None
         if not decide(tree, self._dta.dta_min_compression, self._dta_parallel):
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
-                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal,
-            )
+            return None
         engine = self._dta_engine(self.accelerator.unwrap_model(model))
         # TRL's aux loss (evaluation's `_compute_loss`): the mean over its chunks of `batch_size` rows
         rows, size = input_ids.size(0), batch_size or input_ids.size(0)
@@ -260,26 +251,11 @@ class DTATrainerMixin:
     def _dta_replay(self, logps: torch.Tensor, entropies: torch.Tensor | None, aux_loss: torch.Tensor | None = None):
         """Make TRL's `_compute_loss` read these `(B, T)` log-probs/entropies (and MoE load-balancing loss) instead of
         running the model."""
-        self._dta_replay_values = (logps, entropies, aux_loss)
+        self._dta_state.replay = (logps, entropies, aux_loss)
         try:
             yield
         finally:
-            self._dta_replay_values = None
-
-    @contextlib.contextmanager
-    def _dta_unlogged(self):
-        """Run TRL's `_compute_loss` for its gradient only: its metrics are discarded and the entropy controller's
-        state (updated at the window's last micro-step) is restored."""
-        state = {name: getattr(self, name) for name in ("entropy_coef", "_last_world_entropy", "_entropy_window_stats")
-                 if hasattr(self, name)}
-        metrics = self._metrics
-        self._metrics = {mode: defaultdict(list) for mode in metrics}
-        try:
-            yield
-        finally:
-            self._metrics = metrics
-            for name, value in state.items():
-                setattr(self, name, value)
+            self._dta_state.replay = None
 
     # ------------------------------------------------------------------ training
 
@@ -289,19 +265,20 @@ class DTATrainerMixin:
         micro-steps included, so all ranks reduce the same way)."""
         if not self._dta.dta_enabled:
             return super().training_step(model, inputs, num_items_in_batch)
-        if self._dta_window_position == 0:
+        state = self._dta_state
+        if state.window_position == 0:
             self._dta_parallel.begin_window(model)
         with self._dta_parallel.micro_step(model):
             loss = super().training_step(model, inputs, num_items_in_batch)
         if not self.accelerator.sync_gradients:
-            self._dta_window_position += 1
+            state.window_position += 1
             return loss
-        self._dta_window_position = 0
-        self._dta_micro_steps.clear()
+        state.window_position = 0
+        state.micro_steps.clear()
         self._dta_parallel.end_window(model)
-        if self._dta_step_time:
-            self._metrics["train"]["dta/step_time"].append(self._dta_step_time)
-            self._dta_step_time = 0.0
+        if state.step_time:
+            _trl.metrics(self, "train")["dta/step_time"].append(state.step_time)
+            state.step_time = 0.0
         return loss
 
     def _dta_trl_loss(self, model, inputs: dict) -> torch.Tensor:
@@ -309,8 +286,8 @@ class DTATrainerMixin:
         corrected for per-turn padding rows, times the micro-batch's row weight (per-turn rows on several processes,
         `micro_batches.row_weights`). The one place TRL's objective gets the weight; the per-sequence objective gets
         it where it is built (`_dta_sequence_loss`)."""
-        with unpadded_metrics(self._dta_mode_metrics(), getattr(self, "importance_sampling_level", "token"), inputs):
-            loss = self._compute_loss(model, inputs)
+        with unpadded_metrics(_trl.metrics(self), getattr(self, "importance_sampling_level", "token"), inputs):
+            loss = _trl.compute_loss(self, model, inputs)
         weight = inputs.get(ROW_WEIGHT_KEY, 1.0)
         return loss if weight == 1.0 else loss * weight
 
@@ -319,20 +296,21 @@ class DTATrainerMixin:
             return super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
         if not (self._dta.dta_enabled and self.model.training and torch.is_grad_enabled()):
             return self._dta_trl_loss(model, inputs)
-        if self._step not in self._dta_micro_steps:
+        step, logged = _trl.step(self), _trl.metrics(self, "train")
+        if step not in self._dta_state.micro_steps:
             self._dta_run_window(model, inputs, num_items_in_batch)
-        micro_step = self._dta_micro_steps.pop(self._step)
+        micro_step = self._dta_state.micro_steps.pop(step)
         if micro_step.batch is not inputs:
             raise RuntimeError(
-                f"micro-step {self._step} trains on another micro-batch than the one TRL buffered for it, whose "
+                f"micro-step {step} trains on another micro-batch than the one TRL buffered for it, whose "
                 "gradient DTA has already accumulated with the window's forest. A `_prepare_inputs` override must "
                 "return `self._buffered_inputs[self._step % steps_per_generation]` as TRL's does."
             )
         dense = micro_step.logps is None
-        self._metrics["train"]["dta/dense_fallback"].append(float(dense))
+        logged["dta/dense_fallback"].append(float(dense))
         if dense:
             return self._dta_trl_loss(model, inputs)
-        self._metrics["train"]["dta/compression_ratio_micro_batch"].append(micro_step.compression)
+        logged["dta/compression_ratio_micro_batch"].append(micro_step.compression)
         with torch.no_grad(), self._dta_replay(micro_step.logps, micro_step.entropies, micro_step.aux_loss):
             loss = self._dta_trl_loss(model, inputs)  # the logged value and TRL's metrics
         return loss.detach().requires_grad_().clone()  # a `grad_fn` that reaches no parameter (DeepSpeed asks one)
@@ -340,10 +318,10 @@ class DTATrainerMixin:
     def _dta_sequence_loss(self, inputs: dict, scale: float):
         """The per-sequence objective of a micro-batch (times `scale` and its row weight), or None when the loss is
         not a sum over sequences."""
-        if type(self)._compute_loss is not self._dta_trl_class._compute_loss:
+        if _trl.own_compute_loss(type(self), self._dta_trl_class):
             return None  # a subclass's own objective: only the two-pass path is exact for any function of logps
         return self._dta_loss_class(self, inputs, scale * inputs.get(ROW_WEIGHT_KEY, 1.0),
-                                    entropy_coef=self._dta_entropy_coef())
+                                    entropy_coef=_trl.entropy_coef(self))
 
     def _dta_loss_scale(self, num_items_in_batch) -> float:
         """The factor the HF `Trainer.training_step` applies to `compute_loss`'s result before `backward`."""
@@ -357,8 +335,8 @@ class DTATrainerMixin:
 
     def _dta_window(self, model, inputs: dict, num_items_in_batch) -> WindowContext:
         """The window from this micro-step on, read from TRL's state (`window.WindowContext`)."""
-        steps, batches = buffered_window(inputs, self._buffered_inputs, self._step,
-                                         self.current_gradient_accumulation_steps - self._dta_window_position,
+        steps, batches = buffered_window(inputs, _trl.buffered_inputs(self), _trl.step(self),
+                                         self.current_gradient_accumulation_steps - self._dta_state.window_position,
                                          self._dta_cadence)
         scale = self._dta_loss_scale(num_items_in_batch)
         router_coef = None
@@ -369,7 +347,7 @@ class DTATrainerMixin:
 
         def batch_loss(batch, logps, entropies):
             aux = torch.zeros((), device=logps.device) if self.aux_loss_enabled else None  # a constant of dL/dlogps
-            with self._dta_replay(logps, entropies, aux), self._dta_unlogged():
+            with self._dta_replay(logps, entropies, aux), _trl.unlogged(self):
                 return self._dta_trl_loss(model, batch)
 
         return WindowContext(
@@ -381,15 +359,17 @@ class DTATrainerMixin:
 
     def _dta_run_window(self, model, inputs: dict, num_items_in_batch) -> None:
         """Forward and backward of the window's buffered micro-batches, from this micro-step on, as one forest
-        (`window.run_window`); stores a `MicroStep` per micro-step in `_dta_micro_steps` and logs the forest."""
+        (`window.run_window`); stores a `MicroStep` per micro-step in `HookState.micro_steps` and logs the forest."""
         engine = self._dta_engine(self.accelerator.unwrap_model(model))
         result = run_window(engine, self._dta_window(model, inputs, num_items_in_batch), self._dta_parallel)
-        self._dta_micro_steps.update(result.micro_steps)
+        state = self._dta_state
+        state.micro_steps.update(result.micro_steps)
         if result.forest is None:
             return
-        self._dta_step_time += result.seconds
+        state.step_time += result.seconds
         if self._dta.dta_cost_model == "fit":
             s = forest_stats(result.forest.tree)
-            self._dta_cost_samples.append((s.tree_tokens, s.attention_work, s.leaves, result.seconds))
+            state.cost_samples.append((s.tree_tokens, s.attention_work, s.leaves, result.seconds))
+        logged = _trl.metrics(self, "train")
         for name, value in result.metrics.items():
-            self._metrics["train"][name].append(value)
+            logged[name].append(value)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from trl import GRPOTrainer
 
+from . import _trl
 from ._mixin import DTATrainerMixin
 from .config import DTAGRPOConfig
 from .losses import GRPOSequenceLoss
 from .phases import StepPhases
-from .tree_rollouts import TreeRollouts
+from .tree_rollouts import TreeGeneration, TreeRollouts
 
 
 class DTAGRPOTrainer(DTATrainerMixin, StepPhases, GRPOTrainer):
@@ -59,7 +60,7 @@ class DTAGRPOTrainer(DTATrainerMixin, StepPhases, GRPOTrainer):
     _dta_config_class = DTAGRPOConfig
     _dta_loss_class = GRPOSequenceLoss
     _dta_aux_per_micro_step = True  # `loss + router_aux_loss_coef * aux_loss / current_gradient_accumulation_steps`
-    _tag_names = [*GRPOTrainer._tag_names, "trl-dta"]
+    _tag_names = _trl.tag_names(GRPOTrainer, "trl-dta")
     _dta_trees: TreeRollouts | None = None
 
     def __init__(self, *args, **kwargs):
@@ -78,15 +79,19 @@ class DTAGRPOTrainer(DTATrainerMixin, StepPhases, GRPOTrainer):
         """TRL's; tree rollouts note which rows it could score (their advantage modes leave those rows out)."""
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         if self._dta_trees is not None:
-            self._dta_trees.observe_rewards(rewards_per_func)
+            self._dta_trees.observe_rewards(rewards_per_func, self._dta_state.generation)
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
         """TRL's, with the advantages of `dta_tree_advantage` (other than `"group"`) after TRL's scoring."""
         if self._dta_trees is None:
             return super()._generate_and_score_completions(inputs)
-        with self._dta_trees.generation() as generation:  # filled by `_generate_single_turn`, `_calculate_rewards`
+        # open for the call only: filled by `_generate_single_turn` and `_calculate_rewards`, then scored
+        generation = self._dta_state.generation = TreeGeneration()
+        try:
             output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._dta_state.generation = None
         return self._dta_trees.score(self, output, generation)
 
     def _dta_sequence_loss(self, inputs: dict, scale: float):

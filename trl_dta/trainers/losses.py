@@ -130,7 +130,7 @@ class GRPOSequenceLoss:
         scale (`float`): factor applied to every term on top of TRL's normalisation (the gradient-accumulation scaling
             the HF `Trainer` applies to the returned loss, 1.0 for GRPO).
         entropy_coef (`float`, *optional*, defaults to `0.0`): the entropy bonus's coefficient TRL applies in this
-            accumulation window (`DTATrainerMixin._dta_entropy_coef`: adaptive mode gates it on the last measured
+            accumulation window (`_trl.entropy_coef`: adaptive mode gates it on the last measured
             entropy); 0 without the bonus.
     """
 

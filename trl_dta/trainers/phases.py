@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import time
 
+from . import _trl
+
 
 class StepPhases:
     """Times TRL's `_generate` and `_generate_and_score_completions` (see the module docstring); put it between the
-    DTA mixin and the TRL trainer in the bases."""
-
-    _phase_seconds: tuple[float, float] = (0.0, 0.0)  # (generation, generation and scoring) since the last step
+    DTA mixin and the TRL trainer in the bases. The seconds since the last optimizer step live in the hook state
+    (`window.HookState.phase_seconds`)."""
 
     def _generate(self, prompts):
         if not self.model.training:
@@ -35,8 +36,8 @@ class StepPhases:
         try:
             return super()._generate(prompts)
         finally:
-            generation, total = self._phase_seconds
-            self._phase_seconds = (generation + time.perf_counter() - start, total)
+            generation, total = self._dta_state.phase_seconds
+            self._dta_state.phase_seconds = (generation + time.perf_counter() - start, total)
 
     def _generate_and_score_completions(self, inputs):
         if not self.model.training:
@@ -45,14 +46,15 @@ class StepPhases:
         try:
             return super()._generate_and_score_completions(inputs)
         finally:
-            generation, total = self._phase_seconds
-            self._phase_seconds = (generation, total + time.perf_counter() - start)
+            generation, total = self._dta_state.phase_seconds
+            self._dta_state.phase_seconds = (generation, total + time.perf_counter() - start)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
-        if self._step % self.current_gradient_accumulation_steps == 0:  # TRL logs `step_time` at the same point
-            generation, total = self._phase_seconds
-            self._metrics["train"]["generation_time"].append(generation)
-            self._metrics["train"]["scoring_time"].append(total - generation)
-            self._phase_seconds = (0.0, 0.0)
+        if _trl.step(self) % self.current_gradient_accumulation_steps == 0:  # TRL logs `step_time` at the same point
+            generation, total = self._dta_state.phase_seconds
+            metrics = _trl.metrics(self, "train")
+            metrics["generation_time"].append(generation)
+            metrics["scoring_time"].append(total - generation)
+            self._dta_state.phase_seconds = (0.0, 0.0)
         return loss

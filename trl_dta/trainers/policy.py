@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import torch
 
 from ..generation import CachedGenerate, Generator, reprefill_generate_fn
+from . import _trl
 
 
 @contextlib.contextmanager
@@ -39,7 +40,7 @@ def unwrapped_policy(trainer) -> Iterator[torch.nn.Module]:
             gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
         ) as model,
         torch.no_grad(),
-        trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False),  # TRL 1.16: its DistributedBackend
+        _trl.summon_full_params(trainer),
     ):
         yield model
 

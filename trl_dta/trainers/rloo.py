@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from trl import RLOOTrainer
 
+from . import _trl
 from ._mixin import DTATrainerMixin
 from .config import DTARLOOConfig
 from .losses import RLOOSequenceLoss
@@ -27,4 +28,4 @@ class DTARLOOTrainer(DTATrainerMixin, StepPhases, RLOOTrainer):
     _dta_trl_class = RLOOTrainer
     _dta_config_class = DTARLOOConfig
     _dta_loss_class = RLOOSequenceLoss
-    _tag_names = [*RLOOTrainer._tag_names, "trl-dta"]
+    _tag_names = _trl.tag_names(RLOOTrainer, "trl-dta")

@@ -12,19 +12,19 @@ advantages and the rows TRL could score.
 
 Hooks. TRL's `_generate_and_score_completions` calls `_generate_single_turn` (the trees) and then
 `_calculate_rewards` (the scorable rows) before it returns the scored batch. The trainer opens one [`TreeGeneration`]
-around that call ([`TreeRollouts.generation`]), the two inner hooks fill it, and the trainer hands it to
-[`TreeRollouts.score`] explicitly: nothing of one generation outlives the call.
+around that call (its hook state's `generation`, `window.HookState`), the two inner hooks fill it, and the trainer
+hands it to [`TreeRollouts.score`] explicitly: nothing of one generation outlives the call. TRL's private state is read
+through `_trl.py`.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from ..generation.tree_sampling import TREE_OFF, RolloutTree, TreeSampler, check_generation_config
+from . import _trl
 from .policy import policy_generator
 from .tree_advantages import tree_advantages
 
@@ -65,7 +65,6 @@ class TreeRollouts:
     def __init__(self, sampler: TreeSampler, advantage: str):
         self.sampler = sampler
         self.advantage = advantage
-        self._open: TreeGeneration | None = None  # the generation being scored ([`generation`])
 
     @classmethod
     def from_trainer(cls, trainer) -> TreeRollouts | None:
@@ -74,7 +73,7 @@ class TreeRollouts:
         branching = getattr(args, "dta_tree_branching", None)
         if branching is None:
             return None
-        if trainer._is_vlm:
+        if _trl.is_vlm(trainer):
             raise ValueError(f"Tree rollouts generate text only; a vision-language model's inputs need TRL's "
                              f"generation: {TREE_OFF}")
         if trainer.rollout_func is not None:
@@ -99,7 +98,7 @@ class TreeRollouts:
             )
         sampler = TreeSampler(tuple(branching), args.dta_tree_segment_length, trainer.max_completion_length,
                               trainer.generation_config, tuple(trainer.eos_token_ids),
-                              trainer._tokenizer.pad_token_id)
+                              _trl.tokenizer(trainer).pad_token_id)
         return cls(sampler, args.dta_tree_advantage)
 
     def applies(self, num_generations: int) -> bool:
@@ -107,22 +106,13 @@ class TreeRollouts:
         `num_generations_eval` samples independently, as TRL does)."""
         return num_generations == self.sampler.num_leaves
 
-    @contextlib.contextmanager
-    def generation(self) -> Iterator[TreeGeneration]:
-        """Around one call of TRL's `_generate_and_score_completions`: the [`TreeGeneration`] that [`generate`] and
-        [`observe_rewards`] fill during the call, for the caller to hand to [`score`]."""
-        record = self._open = TreeGeneration()
-        try:
-            yield record
-        finally:
-            self._open = None
-
     def generate(self, trainer, prompt_ids: list[list[int]],
                  num_generations: int) -> tuple[list[list[int]], list[list[float]] | None]:
         """TRL's `_generate_single_turn` for tree rollouts: one completion per row, in TRL's row order.
 
         Args:
-            trainer (`GRPOTrainer`): the trainer (its policy as a generator, `policy.policy_generator`; its metrics).
+            trainer (`DTAGRPOTrainer`): the trainer (its policy as a generator, `policy.policy_generator`; its metrics;
+                the generation open in its hook state, which receives the trees).
             prompt_ids (`list[list[int]]`): the process's rows, each prompt repeated `num_generations` times in
                 consecutive rows (TRL's `RepeatSampler`).
             num_generations (`int`): rows per prompt, equal to the product of `dta_tree_branching`.
@@ -134,20 +124,20 @@ class TreeRollouts:
         groups = _prompt_groups(prompt_ids, num_generations)
         with policy_generator(trainer) as generator:
             trees, stats = self.sampler.sample(generator, groups)
-        if self._open is not None:
-            self._open.trees = trees
-        metrics = trainer._dta_mode_metrics()
+        if trainer._dta_state.generation is not None:
+            trainer._dta_state.generation.trees = trees
+        metrics = _trl.metrics(trainer)
         for name, value in self.sampler.metrics(trees, stats).items():
             metrics[name].append(value)
         logprobs = None if any(tree.logprobs is None for tree in trees) else [lp for t in trees for lp in t.logprobs]
         return [leaf for tree in trees for leaf in tree.leaves], logprobs
 
-    def observe_rewards(self, rewards_per_func: torch.Tensor) -> None:
-        """Note which rows of the open generation TRL can score: `rewards_per_func` `(N, n_funcs)` is what TRL's
+    def observe_rewards(self, rewards_per_func: torch.Tensor, generation: TreeGeneration | None) -> None:
+        """Note which rows of the open `generation` TRL can score: `rewards_per_func` `(N, n_funcs)` is what TRL's
         `_calculate_rewards` returns (all processes' rows), NaN where a reward function returned None; a row is
         unscorable when all of its rewards are NaN (TRL zeroes its advantage)."""
-        if self._open is not None and self._open.trees is not None:
-            self._open.scorable = ~torch.isnan(rewards_per_func).all(dim=1)
+        if generation is not None and generation.trees is not None:
+            generation.scorable = ~torch.isnan(rewards_per_func).all(dim=1)
 
     def score(self, trainer, output: dict, generation: TreeGeneration) -> dict:
         """TRL's scored batch, with the advantages of `dta_tree_advantage` when the batch was sampled as trees
