@@ -19,7 +19,7 @@ from .. import _checks, attention, kernels
 from ..models import check_model_support, refusal_subject, rope_kinds
 from ..precision import Precision
 from ..recurrent import LayerLayout
-from ..refusal import Blocker
+from ..refusal import Blocker, refuse
 from ..tree import PrefixTree
 from . import router_loss as routers
 from .plan import ScorePlan
@@ -294,12 +294,10 @@ class DTAEngine:
 
     def _refuse_lockstep(self, lockstep: Lockstep | None) -> None:
         if lockstep is not None:
-            raise NotImplementedError(
-                f"DTAEngine.lockstep: {type(_causal_lm(self.model)).__name__} has recurrent layers "
-                f"{list(self.layout.recurrent)}, which cannot run the lockstep walk's packed subtree rows (a "
-                "recurrence cannot follow a tree mask). Leave `lockstep` unset (under FSDP2: the trainers' "
-                "`dta_fsdp_schedule='window'`)."
-            )
+            refuse(f"DTAEngine.lockstep with {refusal_subject(_causal_lm(self.model))}", [Blocker(
+                f"it has recurrent layers {list(self.layout.recurrent)}, which cannot run the lockstep walk's packed "
+                "subtree rows (a recurrence cannot follow a tree mask)",
+                fix="leave `lockstep` unset (under FSDP2: the trainers' `dta_fsdp_schedule='window'`)")])
 
     def _tree(self, seqs, lm) -> PrefixTree:
         """The batch as a tree, refused before any forward if the dense model could not run it."""
@@ -329,12 +327,11 @@ class DTAEngine:
         for p in rope_kinds(self._config):
             limit = (p or {}).get("original_max_position_embeddings")
             if (p or {}).get("rope_type") == "longrope" and limit is not None and n > limit:
-                raise NotImplementedError(
+                refuse(refusal_subject(lm), [Blocker(
                     f"`seqs[{longest}]` has {n} tokens, more than original_max_position_embeddings ({limit}) of this "
                     "longrope model: its RoPE switches frequencies by the longest position of each forward call, so a "
-                    "shared prefix would be rotated differently than in the dense run of the longer sequence. Keep "
-                    f"sequences within {limit} tokens."
-                )
+                    "shared prefix would be rotated differently than in the dense run of the longer sequence",
+                    fix=f"keep sequences within {limit} tokens")])
 
 
 def _router_request(router_loss):

@@ -21,7 +21,7 @@ from ..batch import SAMPLE_LAYOUTS
 from ..generation.tree_sampling import TREE_OFF
 from ..kernels import BACKENDS
 from ..parallel.fsdp2 import SCHEDULES
-from ..refusal import TRAINER_CONFIG, Blocker, refuse
+from ..refusal import TRAINER_ALTERNATIVE, TRAINER_CONFIG, Blocker, refuse
 from .tree_advantages import ADVANTAGES, PER_TOKEN
 
 # The TRL minor versions the equivalence tests (`tests/trainers/`) run against. The trainers override TRL private
@@ -497,4 +497,4 @@ def check_trainer_args(args) -> None:
         blockers.append(Blocker(
             f"`optim={getattr(args.optim, 'value', args.optim)!r}` fuses the optimizer step into `backward`, which DTA "
             "calls many times per optimizer step", settings={"optim": "adamw_torch"}, where=TRAINER_CONFIG))
-    refuse(f"A trainer with this {type(args).__name__}", blockers)
+    refuse(f"A trainer with this {type(args).__name__}", blockers, alternative=TRAINER_ALTERNATIVE)
