@@ -159,11 +159,12 @@ def _blocker(call: ast.Call, names: dict[str, ast.expr]) -> str | None:
         settings = names[settings.id]
     where = {"MODEL_CONFIG": "model config", "TRAINER_CONFIG": "trainer's config"}.get(
         ast.unparse(kwargs.get("where", ast.Constant(""))), "config")
+    other = f", or {_render(fix, names)}" if fix is not None else ""  # beside settings: another way
     if isinstance(settings, ast.Dict) and settings.keys:
         pairs = ", ".join(f"`{_render(k, names)}={ast.unparse(v)}`" for k, v in zip(settings.keys, settings.values))
-        return f"{text}. Fix: set {pairs} in the {where}."
+        return f"{text}. Fix: set {pairs} in the {where}{other}."
     if settings is not None:  # built at run time, e.g. `{name: 0.0 for name in noisy}`
-        return f"{text}. Fix: set ⟨{ast.unparse(settings)}⟩ in the {where}."
+        return f"{text}. Fix: set ⟨{ast.unparse(settings)}⟩ in the {where}{other}."
     if fix is not None:
         return f"{text}. Fix: {_render(fix, names)}."
     if func == "replace":  # a template's fix: the templates are listed by `_template_fixes`

@@ -58,7 +58,8 @@ class Blocker:
         settings (`Mapping[str, object]`, *optional*): settings that remove the blocker, applied as written (empty when
             no setting does).
         where (`str`, *optional*): where `settings` go: `MODEL_CONFIG` or `TRAINER_CONFIG`.
-        fix (`str`, *optional*): a fix that is not a setting (e.g. "use a LoRA-style adapter"); empty: none.
+        fix (`str`, *optional*): a fix that is not a setting (e.g. "use a LoRA-style adapter"), or beside `settings`
+            another way (e.g. "set `lora_dropout=0.0` in the `LoraConfig`"); empty: none.
     """
 
     feature: str
@@ -79,7 +80,8 @@ class Blocker:
         """`"<feature>. Fix: set `a=0.0` in the model config (...)."`, or the fix in words, or that none exists."""
         if self.settings:
             names = ", ".join(f"`{name}={value!r}`" for name, value in self.settings.items())
-            fix = f"Fix: set {names} in the {self.where}{_WHERE_HINT[self.where](self.settings)}."
+            other = f", or {self.fix}" if self.fix else ""
+            fix = f"Fix: set {names} in the {self.where}{_WHERE_HINT[self.where](self.settings)}{other}."
         elif self.fix:
             fix = f"Fix: {self.fix}."
         else:

@@ -252,7 +252,8 @@ class DTAEngine:
             spec = routers.router_spec(lm)
             router_loss.check(tree.n_sequences)
         aux, counted, record = None, {}, None
-        with _engine_call(lm), (routers.RouterCapture(lm, spec) if spec else contextlib.nullcontext()) as capture:
+        with (_engine_call(lm, self.max_graph_tokens is not None),
+              routers.RouterCapture(lm, spec) if spec else contextlib.nullcontext() as capture):
             backend = self._device_backend(lm)
             observer = None
             if spec is not None and loss_fn is not None:  # training: the counting pass first
@@ -374,9 +375,9 @@ def _refuse_running_call(owner: int | None) -> None:
 
 
 @contextlib.contextmanager
-def _engine_call(lm):
+def _engine_call(lm, budgeted: bool):
     """Hold `lm` for one engine call: refuse a second call on it, route its attention through DTA and suspend HF
-    gradient checkpointing, restoring everything on exit."""
+    gradient checkpointing (`_dta_attention`), restoring everything on exit."""
     key, me = id(lm), threading.get_ident()
     with _CALLS_LOCK:
         owner = _CALLS.get(key)
@@ -384,7 +385,7 @@ def _engine_call(lm):
             _CALLS[key] = me
     _refuse_running_call(owner)
     try:
-        with _dta_attention(lm):
+        with _dta_attention(lm, budgeted):
             yield
     finally:
         with _CALLS_LOCK:
@@ -392,14 +393,16 @@ def _engine_call(lm):
 
 
 @contextlib.contextmanager
-def _dta_attention(lm):
-    """Route `lm`'s attention through the engine and suspend HF gradient checkpointing, restoring both on exit."""
+def _dta_attention(lm, budgeted: bool):
+    """Route `lm`'s attention through the engine and suspend HF gradient checkpointing, restoring both on exit; a
+    one-time warning says so unless the engine has a memory budget (`budgeted`: `max_graph_tokens` set, e.g. by a DTA
+    trainer, whose own warning names it)."""
     configs = {id(m.config): m.config for m in lm.modules()
                if hasattr(getattr(m, "config", None), "_attn_implementation")}
     configs[id(lm.config)] = lm.config
     saved = {k: c._attn_implementation for k, c in configs.items()}
     checkpointed = [m for m in lm.modules() if getattr(m, "gradient_checkpointing", False) is True]
-    if checkpointed:
+    if checkpointed and not budgeted:
         _checks.warn_once(
             "engine:gradient_checkpointing",
             "DTAEngine: HF gradient checkpointing is suspended during engine calls (it drops the key/value prefix); "
