@@ -244,3 +244,29 @@ def test_blocker_and_refusal_format():
         DTAUnsupportedError("M", [])
     with pytest.raises(ValueError, match="settings go in one of"):
         Blocker("e", settings={"x": 1})
+
+
+def test_trainer_refusal_in_the_trainers_words():
+    """From a trainer (`trainers/support.check_policy`), a refusal closes with `dta_enabled=False` alone (no
+    `DTAEngine` tail), lists the tested families only for an untested family, names `lora_dropout=0.0` for a LoRA
+    adapter's dropout, and an engine argument by the `dta_*` field the user set."""
+    from peft import get_peft_model
+
+    from trl_dta.refusal import ENGINE_ALTERNATIVE, TRAINER_ALTERNATIVE
+    from trl_dta.trainers.support import check_policy
+
+    def refusal(model, build_engine=lambda: None) -> str:
+        with pytest.raises(DTAUnsupportedError) as info:
+            check_policy(model, is_vlm=False, aux_loss_enabled=False, build_engine=build_engine)
+        return str(info.value)
+
+    llama = transformers.LlamaConfig(**SMALL, intermediate_size=48, num_key_value_heads=2)
+    message = refusal(get_peft_model(build(llama), LoraConfig(r=4, lora_dropout=0.1, target_modules=["q_proj"])))
+    assert "Fix: set `disable_dropout=True` in the trainer's config, or set `lora_dropout=0.0`" in message, message
+    assert message.endswith(TRAINER_ALTERNATIVE) and ENGINE_ALTERNATIVE not in message, message
+    assert "Model types tested" not in message, message
+    untested = transformers.StableLmConfig(**SMALL, intermediate_size=48, num_key_value_heads=2, hidden_dropout=0.1)
+    assert "Model types tested with DTA: " in refusal(build(untested).train())
+    with pytest.raises(ValueError, match=r"^`dta_attn_backend`: attention backend 'flash' cannot run on cpu"):
+        check_policy(build(llama), is_vlm=False, aux_loss_enabled=False,
+                     build_engine=lambda: DTAEngine(build(llama), attn_backend="flash"))
