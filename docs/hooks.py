@@ -9,9 +9,10 @@ fresh copy ([`regenerate`]), and `python tools/gen_docs.py` rewrites the committ
   with its type, default and help text (`dta_parameters_markdown`, the same source as the configs' docstrings).
 - `analyze-help` (`analyzer.md`): `trl-dta analyze --help`, from the command's own parser.
 - `refusals` (`troubleshooting.md`): every error `trl_dta` raises (`raise SomeError(message)`)
-  and every blocker it can name in its one model refusal (`Blocker(feature, settings=..., fix=...)`, raised together
-  as a `DTAUnsupportedError`), read from the source with `ast`, grouped by what the user was doing ([`GROUPS`]), each
-  with the function that raises it. A module that raises and belongs to no group fails the build.
+  and every blocker it can name in its one refusal type (`Blocker(feature, settings=..., fix=...)`, raised together
+  as a `DTAUnsupportedError` by `refuse(...)` or `raise DTAUnsupportedError(...)`), read from the source with `ast`,
+  grouped by what the user was doing ([`GROUPS`]), each with the function that raises it. A module that raises and
+  belongs to no group fails the build.
 
 `mkdocs.yml` names this file under `hooks:`; `tests/test_docs.py` checks the generators without building the site.
 """
@@ -58,6 +59,10 @@ GROUPS = (
 # Raised but not refusals: the environments' answers to the policy (a bad tool call or turn is answered with an error
 # message and the episode goes on), and broken invariants (a bug, reported with "please report" or "a bug").
 NOT_REFUSALS = ("ToolError", "ProtocolError")
+# A model's blockers go to the model group wherever they are found, except those of these modules (trainer arguments,
+# distributed settings, the generation cache), which stay in their module's group.
+_OWN_GROUP_BLOCKERS = ("trl_dta/trainers/config.py", "trl_dta/parallel/", "trl_dta/distributed.py",
+                       "trl_dta/generation/")
 _BUG = re.compile(r"internal error|this is a bug|please report", re.I)
 
 
@@ -153,13 +158,16 @@ def _blocker(call: ast.Call, names: dict[str, ast.expr]) -> str | None:
     if not text.strip():
         return None
     settings, fix = kwargs.get("settings"), kwargs.get("fix")
+    if isinstance(settings, ast.Name) and isinstance(names.get(settings.id), ast.Dict):  # a shared fix, e.g. `_FIX`
+        settings = names[settings.id]
     where = {"MODEL_CONFIG": "model config", "TRAINER_CONFIG": "trainer's config"}.get(
         ast.unparse(kwargs.get("where", ast.Constant(""))), "config")
+    other = f", or {_render(fix, names)}" if fix is not None else ""  # beside settings: another way
     if isinstance(settings, ast.Dict) and settings.keys:
         pairs = ", ".join(f"`{_render(k, names)}={ast.unparse(v)}`" for k, v in zip(settings.keys, settings.values))
-        return f"{text}. Fix: set {pairs} in the {where}."
+        return f"{text}. Fix: set {pairs} in the {where}{other}."
     if settings is not None:  # built at run time, e.g. `{name: 0.0 for name in noisy}`
-        return f"{text}. Fix: set ⟨{ast.unparse(settings)}⟩ in the {where}."
+        return f"{text}. Fix: set ⟨{ast.unparse(settings)}⟩ in the {where}{other}."
     if fix is not None:
         return f"{text}. Fix: {_render(fix, names)}."
     if func == "replace":  # a template's fix: the templates are listed by `_template_fixes`
@@ -234,7 +242,8 @@ def collect_refusals(package: Path = PACKAGE) -> list[dict]:
                     found.append({"module": module, "function": function,
                                   "line": child.lineno, "exception": "DTAUnsupportedError",
                                   "message": " ".join(text.split()), "blocker": True})
-                if isinstance(child, ast.Raise) and isinstance(child.exc, ast.Call) and child.exc.args:
+                if (isinstance(child, ast.Raise) and isinstance(child.exc, ast.Call) and child.exc.args
+                        and ast.unparse(child.exc.func) != "DTAUnsupportedError"):  # its blockers are listed
                     exc = ast.unparse(child.exc.func)
                     message = " ".join(_render(child.exc.args[0], names).split())
                     found.append({"module": module, "function": function,
@@ -245,13 +254,17 @@ def collect_refusals(package: Path = PACKAGE) -> list[dict]:
     return found
 
 
+def _under(module: str, paths) -> bool:
+    return any(module == p or (p.endswith("/") and module.startswith(p)) for p in paths)
+
+
 def group_of(module: str, blocker: bool = False) -> str:
     """The group of `GROUPS` a module's refusals go to; a model's blockers (`blocker=True`) to the model group,
-    wherever they are found, except the trainer arguments' (`trainers/config.py`)."""
-    if blocker and module != "trl_dta/trainers/config.py":
+    wherever they are found, except those of `_OWN_GROUP_BLOCKERS` (trainer arguments, distributed settings, the
+    generation cache)."""
+    if blocker and not _under(module, _OWN_GROUP_BLOCKERS):
         return GROUPS[2][0]
-    matches = [(len(p), title) for title, _, paths in GROUPS for p in paths
-               if module == p or (p.endswith("/") and module.startswith(p))]
+    matches = [(len(p), title) for title, _, paths in GROUPS for p in paths if _under(module, [p])]
     if matches:
         return max(matches)[1]
     raise RuntimeError(f"docs/hooks.py: {module} raises errors but belongs to no group of `GROUPS`: add it to one")

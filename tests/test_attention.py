@@ -14,6 +14,7 @@ from trl_dta.attention import AttentionContext, dta_attention
 from trl_dta.kernels import available_backends, key_end_from_row_mask
 from trl_dta.kernels.sdpa import _mask
 from trl_dta.kv_stack import Frame, KVStack
+from trl_dta.refusal import DTAUnsupportedError
 
 BACKENDS = [pytest.param(name, marks=pytest.mark.skipif(name not in available_backends("cpu"),
                                                         reason=f"{name} does not run here"))
@@ -206,5 +207,5 @@ def test_refusals():
         dta_attention(Layer(), q, k, v, None)
     with pytest.raises(ValueError, match="dropout"):
         dta_attention(Layer(), q, k, v, None, dropout=0.1, dta_ctx=ctx)
-    with pytest.raises(NotImplementedError, match="attn_bias"):  # a keyword DTA does not implement
+    with pytest.raises(DTAUnsupportedError, match="attn_bias"):  # a keyword DTA does not implement
         dta_attention(Layer(), q, k, v, None, dta_ctx=ctx, attn_bias=torch.zeros(2))

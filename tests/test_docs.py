@@ -50,9 +50,14 @@ def test_every_refusal_has_a_group_and_the_page_lists_them(hooks):
                  "Fix: set `fp16=False` in the trainer's config",
                  "Fix: set `attention_dropout=0.0` in the model config",
                  "Fix: set `router_aux_loss_coef=0.0` in the trainer's config",
-                 "attention code; DTA's attention has no"):
+                 "attention code; DTA's attention has no",
+                 # the distributed refusals resolved (no template), with their fixes
+                 "Megatron-LM is not supported with DTA. Fix: use FSDP2",
+                 "XLA (TPU) is not supported with DTA. Fix: use a GPU or CPU device"):
         assert text in page, text
     assert not any(e["exception"] in hooks.NOT_REFUSALS for e in shown)
+    # One refusal type: what DTA cannot run is a `DTAUnsupportedError`, never a `NotImplementedError`.
+    assert not any(e["exception"] == "NotImplementedError" for e in shown)
 
 
 def test_analyzer_page_has_the_commands_help(hooks):

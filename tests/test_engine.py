@@ -318,6 +318,20 @@ def test_gradient_checkpointing_is_suspended_and_restored():
     assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
 
 
+def test_gradient_checkpointing_warning_only_without_a_budget(monkeypatch):
+    """The engine says once that HF checkpointing is suspended and advises `max_graph_tokens`, unless a budget is set
+    (a DTA trainer sets it and says so in its own warning: one warning per fact)."""
+    from trl_dta import _checks
+
+    model = make_model("llama", torch.float32)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    monkeypatch.setattr(_checks, "_warned", set())
+    DTAEngine(model, max_graph_tokens=4).logprobs(shared_batch())
+    assert "engine:gradient_checkpointing" not in _checks._warned
+    DTAEngine(model).logprobs(shared_batch())
+    assert "engine:gradient_checkpointing" in _checks._warned
+
+
 def test_attention_implementation_restored_and_model_usable():
     model = make_model("qwen2", torch.float32)
     before = model.config._attn_implementation

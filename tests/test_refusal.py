@@ -19,7 +19,7 @@ from datasets import Dataset
 from peft import LoraConfig, PromptTuningConfig
 
 from conftest import VOCAB
-from test_models import SMALL, build
+from test_models import FALCON_PROBE, SMALL, build
 from trainers.conftest import EOS, PAD, build_tokenizer, make_args
 from trl_dta import DTAEngine, DTAGRPOConfig, DTAGRPOTrainer
 from trl_dta.refusal import DENSE_ALTERNATIVE, DTAUnsupportedError
@@ -138,7 +138,7 @@ ENGINE_CASES = {
     # A blocker the probe finds, beside one with a fix: fixing the second leaves the first.
     "own-attention-code+dynamic-rope": Case(lambda **kw: transformers.FalconConfig(**{
         **SMALL, "alibi": False, "rope_parameters": DYNAMIC_ROPE, **kw}),
-        [["before any layer reaches", DYNAMIC], ["before any layer reaches"]], refused=True),
+        [[FALCON_PROBE, DYNAMIC], [FALCON_PROBE]], refused=True),
     # Rules about the attention and the logits: all listed, the probe not run (it would only restate them).
     "chunked+logit-scaling+jitter": Case(
         lambda **kw: _mixtral(**{"router_jitter_noise": 0.1, "attention_chunk_size": 4, "logits_scaling": 2.0, **kw}),
@@ -244,3 +244,29 @@ def test_blocker_and_refusal_format():
         DTAUnsupportedError("M", [])
     with pytest.raises(ValueError, match="settings go in one of"):
         Blocker("e", settings={"x": 1})
+
+
+def test_trainer_refusal_in_the_trainers_words():
+    """From a trainer (`trainers/support.check_policy`), a refusal closes with `dta_enabled=False` alone (no
+    `DTAEngine` tail), lists the tested families only for an untested family, names `lora_dropout=0.0` for a LoRA
+    adapter's dropout, and an engine argument by the `dta_*` field the user set."""
+    from peft import get_peft_model
+
+    from trl_dta.refusal import ENGINE_ALTERNATIVE, TRAINER_ALTERNATIVE
+    from trl_dta.trainers.support import check_policy
+
+    def refusal(model, build_engine=lambda: None) -> str:
+        with pytest.raises(DTAUnsupportedError) as info:
+            check_policy(model, is_vlm=False, aux_loss_enabled=False, build_engine=build_engine)
+        return str(info.value)
+
+    llama = transformers.LlamaConfig(**SMALL, intermediate_size=48, num_key_value_heads=2)
+    message = refusal(get_peft_model(build(llama), LoraConfig(r=4, lora_dropout=0.1, target_modules=["q_proj"])))
+    assert "Fix: set `disable_dropout=True` in the trainer's config, or set `lora_dropout=0.0`" in message, message
+    assert message.endswith(TRAINER_ALTERNATIVE) and ENGINE_ALTERNATIVE not in message, message
+    assert "Model types tested" not in message, message
+    untested = transformers.StableLmConfig(**SMALL, intermediate_size=48, num_key_value_heads=2, hidden_dropout=0.1)
+    assert "Model types tested with DTA: " in refusal(build(untested).train())
+    with pytest.raises(ValueError, match=r"^`dta_attn_backend`: attention backend 'flash' cannot run on cpu"):
+        check_policy(build(llama), is_vlm=False, aux_loss_enabled=False,
+                     build_engine=lambda: DTAEngine(build(llama), attn_backend="flash"))

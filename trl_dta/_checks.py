@@ -121,6 +121,9 @@ def check_choice(name: str, value, choices) -> str:
     return value
 
 
+_LORA_DROPOUT_FIX = "set `lora_dropout=0.0` in the adapter's `LoraConfig`"
+
+
 def dropout_blockers(model, module_fix: Blocker, *, training_only: bool = True) -> list[Blocker]:
     """What keeps dropout active in `model`: DTA cannot reproduce the dense path's random masks.
 
@@ -133,16 +136,20 @@ def dropout_blockers(model, module_fix: Blocker, *, training_only: bool = True) 
             it calls `model.train()`).
 
     Returns:
-        `list[Blocker]`: the first active dropout module (with `module_fix`'s fix), and attention dropout set in the
-        config (fix: `attention_dropout=0.0` in the model config).
+        `list[Blocker]`: the first active dropout module (with `module_fix`'s fix; a LoRA adapter's also names
+        `lora_dropout=0.0`), and attention dropout set in the config (fix: `attention_dropout=0.0` in the model config,
+        which TRL's `disable_dropout` does not reach).
     """
     import torch
 
     blockers = []
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Dropout) and module.p > 0 and (module.training or not training_only):
-            blockers.append(replace(module_fix, feature=f"dropout is active ({name}: p={module.p}) and DTA cannot "
-                                                        "reproduce the dense path's random dropout masks"))
+            blocker = replace(module_fix, feature=f"dropout is active ({name}: p={module.p}) and DTA cannot reproduce "
+                                                  "the dense path's random dropout masks")
+            if ".lora_dropout." in f".{name}.":  # a PEFT LoRA adapter's: its config sets it too
+                blocker = replace(blocker, fix=", or ".join(filter(None, (module_fix.fix, _LORA_DROPOUT_FIX))))
+            blockers.append(blocker)
             break
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "get_text_config"):
@@ -150,7 +157,8 @@ def dropout_blockers(model, module_fix: Blocker, *, training_only: bool = True) 
     rate = getattr(config, "attention_dropout", 0.0) or 0.0
     if rate and (model.training or not training_only):
         blockers.append(Blocker(f"attention dropout is active (attention_dropout={rate}) and DTA cannot reproduce its "
-                                "random masks", settings={"attention_dropout": 0.0}, where=MODEL_CONFIG))
+                                "random masks (a rate in the model config: TRL's `disable_dropout` does not reach it)",
+                                settings={"attention_dropout": 0.0}, where=MODEL_CONFIG))
     return blockers
 
 

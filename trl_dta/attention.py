@@ -47,6 +47,7 @@ import torch
 from .kernels import two_part_attention
 from .kv_stack import KVStack
 from .precision import attention_inputs
+from .refusal import Blocker, refuse
 
 ATTN_IMPLEMENTATION = "dta"
 
@@ -128,17 +129,16 @@ def dta_attention(
             "or after the engine call, not inside `loss_fn` or concurrently. (If you set "
             f"attn_implementation='{ATTN_IMPLEMENTATION}' yourself, use 'sdpa' or 'eager' instead.)"
         )
+    blockers = []
     if dropout:
-        raise ValueError(
-            f"attention dropout ({dropout}) is active: DTA cannot reproduce random dropout masks of the dense path. "
-            "Call model.eval() or set `attention_dropout=0` in the model config."
-        )
+        blockers.append(Blocker(
+            f"attention dropout ({dropout}) is active: DTA cannot reproduce random dropout masks of the dense path",
+            fix="call `model.eval()`, or set `attention_dropout=0.0` in the model config"))
     unknown = {k for k, v in kwargs.items() if v is not None and k not in _IGNORED_KWARGS}
     if unknown:
-        raise NotImplementedError(
-            f"{type(module).__name__} passes {sorted(unknown)} to its attention function, which DTA does not "
-            "implement; this model family is not supported."
-        )
+        blockers.append(Blocker(f"its attention layers pass {sorted(unknown)} to the attention function, which DTA "
+                                "does not implement"))
+    refuse(f"{type(module).__name__} (layer {module.layer_idx})", blockers)
     layer = module.layer_idx
     dta_ctx.calls += 1
     dta_ctx.record[layer] = (key, value)

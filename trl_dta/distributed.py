@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from .balance import CostModel, Partition, partition
 from .batch import num_rows, sequences, take_rows
+from .refusal import DISTRIBUTED, TRAINER_ALTERNATIVE, TRAINER_CONFIG, Blocker, refuse
 from .tree import PrefixTree
 
 # Keys of a TRL generation batch whose second dimension is the (left-padded) prompt.
@@ -56,10 +57,9 @@ def gather_batch(accelerator, batch: dict, pad_token_id: int) -> dict:
             out[key] = value
             continue
         if not isinstance(value, torch.Tensor) or value.shape[0] != n:
-            raise NotImplementedError(
-                f"cannot redistribute generation-batch entry '{key}' ({type(value).__name__}) across processes; set "
-                "`dta_balance=False`."
-            )
+            refuse(DISTRIBUTED, [Blocker(
+                f"rank balancing cannot redistribute generation-batch entry '{key}' ({type(value).__name__}) across "
+                "processes", settings={"dta_balance": False}, where=TRAINER_CONFIG)], alternative=TRAINER_ALTERNATIVE)
         if value.ndim > 1:
             pad = pad_token_id if key == "prompt_ids" else 0
             value = accelerator.pad_across_processes(value, dim=1, pad_index=pad, pad_first=key in _PROMPT_KEYS)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .precision import acc_dtype, head_compute_dtype, is_half
+from .refusal import Blocker, refuse
 
 
 def _times(field: str) -> Callable[[object], float]:
@@ -99,15 +100,14 @@ class HeadSpec:
         """The head of a transformers causal LM, its logit post-processing read from its config.
 
         Raises:
-            `NotImplementedError`: the config scales the logits in a way this module does not know for its family.
+            `DTAUnsupportedError`: the config scales the logits in a way this module does not know for its family.
         """
         config = model.config.get_text_config()
         field = unknown_logit_scaling(config)
         if field is not None:
-            raise NotImplementedError(
-                f"{type(model).__name__} (model type '{config.model_type}') scales its logits with `{field}`, whose "
-                f"meaning DTA knows only for the model types {sorted(_LOGIT_MULTIPLIERS)}."
-            )
+            refuse(f"{type(model).__name__} (model type '{config.model_type}')", [Blocker(
+                f"it scales its logits with `{field}`, whose meaning DTA knows only for the model types "
+                f"{sorted(_LOGIT_MULTIPLIERS)}")])
         multiplier = _LOGIT_MULTIPLIERS.get(config.model_type)
         scale = 1.0 if multiplier is None else multiplier(config)
         return cls(model.get_output_embeddings(), scale, getattr(config, "final_logit_softcapping", None))

@@ -47,7 +47,7 @@ from .kv_stack import Frame, KVStack
 from .lm_head import HeadSpec, head_logprobs, unknown_logit_scaling
 from .precision import Precision, is_half
 from .recurrent import RECURRENT_FAMILIES, RECURRENT_LAYER_TYPES, LayerLayout, StateCarrier
-from .refusal import DENSE_ALTERNATIVE, MODEL_CONFIG, Blocker, refuse  # noqa: F401  (DENSE_ALTERNATIVE re-exported)
+from .refusal import DENSE_ALTERNATIVE, MODEL_CONFIG, Blocker, DTAUnsupportedError, refuse  # noqa: F401 (re-exported)
 
 # Model families whose equivalence with the dense per-sequence computation the test suite covers (tests/test_models.py
 # and tests/test_engine.py). Other families that pass the probe run with a one-time warning.
@@ -235,7 +235,7 @@ def _probe_forward(backbone, ids: torch.Tensor, positions: torch.Tensor, stack: 
     try:
         hidden = backbone(input_ids=ids, position_ids=positions, use_cache=False, dta_ctx=ctx,
                           **({"cache": carrier} if carrier is not None else {})).last_hidden_state
-    except _ProbeFailure:
+    except (_ProbeFailure, DTAUnsupportedError):  # the latter: DTA's attention or carrier refused a layer
         raise
     except Exception as exc:
         if ctx.calls:
@@ -261,8 +261,8 @@ def _probe_forward(backbone, ids: torch.Tensor, positions: torch.Tensor, stack: 
     if carrier is not None:
         try:
             states = carrier.states()
-        except NotImplementedError as exc:
-            raise _ProbeFailure(str(exc).rsplit(", so this model family", 1)[0]) from None
+        except DTAUnsupportedError as refusal:
+            raise _ProbeFailure(refusal.blockers[0].feature) from None
     return hidden, [ctx.record.get(layer) for layer in range(layout.n_layers)], states
 
 
@@ -315,6 +315,8 @@ def model_blockers(lm, precision: Precision) -> list[Blocker]:
             _probe(lm, HeadSpec.from_model(lm), LayerLayout.from_config(config), precision)
         except _ProbeFailure as failure:
             blockers.append(Blocker(str(failure)))
+        except DTAUnsupportedError as refusal:  # DTA's attention or carrier refused a layer
+            blockers += refusal.blockers
         except Exception as exc:  # raised inside transformers or torch: the model cannot run this way at all
             blockers.append(Blocker(f"its forward fails with DTA's attention ({_where(exc)})"))
     return blockers + [b for b in (rule(config) for rule in _TRAINING_RULES) if b is not None]

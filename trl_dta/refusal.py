@@ -1,4 +1,5 @@
-"""One refusal for everything that keeps DTA from running a model: each blocker named with its fix, in one message.
+"""One refusal for everything DTA cannot run (a model, a training setup, a distributed setting, an engine call): each
+blocker named with its fix, in one message.
 
 A model can have several features DTA does not reproduce at once (a MoE router with jitter noise, dropout, a router
 loss of an unknown family, ...). Refusing them one at a time makes a user fix, retry and meet the next; so every check
@@ -17,6 +18,9 @@ A fix is either settings (applied as they are written, `name=value` in backticks
 trainer's config) or a change in words; a blocker without either has no fix inside DTA and keeps the dense path. A named
 fix is enough: applying every fix of a message gives a model that runs, or a message that names what is left
 (`tests/test_refusal.py` applies them, parsed from the message).
+
+Every "DTA cannot do this, here is the fix" of the package is a [`DTAUnsupportedError`]; an argument that is simply
+wrong stays a `ValueError` / `TypeError`, and a broken invariant (a bug, "please report") a `RuntimeError`.
 """
 
 from __future__ import annotations
@@ -24,14 +28,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-DENSE_ALTERNATIVE = (
-    "Train it without DTA: set `dta_enabled=False` in the DTA trainer's config (TRL's dense path), or, without the "
-    "trainers, call the model's own forward instead of `DTAEngine`."
-)
+# A refusal's closing offer: the dense path, as an engine user (the default) or a DTA trainer's user reads it.
+DENSE_ALTERNATIVE = "Train it without DTA: set `dta_enabled=False` in the DTA trainer's config (TRL's dense path)"
+ENGINE_ALTERNATIVE = (f"{DENSE_ALTERNATIVE}, or, without the trainers, call the model's own forward instead of "
+                      "`DTAEngine`.")
+TRAINER_ALTERNATIVE = f"{DENSE_ALTERNATIVE}."
 
-# The same offer as a clause closing another fix ("..., or set `dta_enabled=False` ..."): the one spelling every error
-# that names a DTA-side fix ends with.
-DENSE_FALLBACK = "or set `dta_enabled=False` to train with the TRL trainer's dense path."
+# The subject of the refusals of a distributed setting (`parallel/`, `distributed.py`).
+DISTRIBUTED = "This distributed setup"
 
 # Where a blocker's settings go, as the message names it.
 MODEL_CONFIG = "model config"
@@ -54,7 +58,8 @@ class Blocker:
         settings (`Mapping[str, object]`, *optional*): settings that remove the blocker, applied as written (empty when
             no setting does).
         where (`str`, *optional*): where `settings` go: `MODEL_CONFIG` or `TRAINER_CONFIG`.
-        fix (`str`, *optional*): a fix that is not a setting (e.g. "use a LoRA-style adapter"); empty: none.
+        fix (`str`, *optional*): a fix that is not a setting (e.g. "use a LoRA-style adapter"), or beside `settings`
+            another way (e.g. "set `lora_dropout=0.0` in the `LoraConfig`"); empty: none.
     """
 
     feature: str
@@ -75,7 +80,8 @@ class Blocker:
         """`"<feature>. Fix: set `a=0.0` in the model config (...)."`, or the fix in words, or that none exists."""
         if self.settings:
             names = ", ".join(f"`{name}={value!r}`" for name, value in self.settings.items())
-            fix = f"Fix: set {names} in the {self.where}{_WHERE_HINT[self.where](self.settings)}."
+            other = f", or {self.fix}" if self.fix else ""
+            fix = f"Fix: set {names} in the {self.where}{_WHERE_HINT[self.where](self.settings)}{other}."
         elif self.fix:
             fix = f"Fix: {self.fix}."
         else:
@@ -93,20 +99,24 @@ class DTAUnsupportedError(NotImplementedError, ValueError):
         subject (`str`): what is refused, e.g. `"MixtralForCausalLM (model type 'mixtral')"`.
         blockers (`Sequence[Blocker]`): at least one.
         tail (`str`, *optional*): a closing sentence (e.g. the tested families).
+        alternative (`str`, *optional*, defaults to `ENGINE_ALTERNATIVE`): the closing offer: `TRAINER_ALTERNATIVE`
+            where only a DTA trainer's user meets the refusal, `""` where the fixes are the only way out.
     """
 
-    def __init__(self, subject: str, blockers: Sequence[Blocker], tail: str = ""):
+    def __init__(self, subject: str, blockers: Sequence[Blocker], tail: str = "", *,
+                 alternative: str = ENGINE_ALTERNATIVE):
         if not blockers:
             raise ValueError("a refusal needs at least one blocker")
         self.subject = subject
         self.blockers = tuple(blockers)
         lines = [f"{subject} cannot run through DTA:"]
         lines += [f"  {i}. {blocker.describe()}" for i, blocker in enumerate(self.blockers, start=1)]
-        lines.append(DENSE_ALTERNATIVE + (f" {tail}" if tail else ""))
+        closing = " ".join(part for part in (alternative, tail) if part)
+        lines += [closing] if closing else []
         super().__init__("\n".join(lines))
 
 
-def refuse(subject: str, blockers: Sequence[Blocker], tail: str = "") -> None:
-    """Raise one [`DTAUnsupportedError`] listing `blockers`, if there are any."""
+def refuse(subject: str, blockers: Sequence[Blocker], tail: str = "", *, alternative: str = ENGINE_ALTERNATIVE) -> None:
+    """Raise one [`DTAUnsupportedError`] listing `blockers`, if there are any (arguments as the error's)."""
     if blockers:
-        raise DTAUnsupportedError(subject, blockers, tail)
+        raise DTAUnsupportedError(subject, blockers, tail, alternative=alternative)

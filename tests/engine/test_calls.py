@@ -12,6 +12,7 @@ import transformers
 from conftest import VOCAB, make_model
 from reference import compare_lists, dense_forward_backward
 from trl_dta import DTAEngine
+from trl_dta.refusal import DTAUnsupportedError
 
 SEQS = [[5, 6, 7, 8], [5, 6, 9]]
 
@@ -116,5 +117,5 @@ def test_longrope_beyond_original_length_is_refused():
                        original_max_position_embeddings=8)
     engine = DTAEngine(model)
     engine.logprobs([list(range(3, 11))])
-    with pytest.raises(NotImplementedError, match="original_max_position_embeddings"):
+    with pytest.raises(DTAUnsupportedError, match="original_max_position_embeddings"):
         engine.logprobs([list(range(3, 12))])

@@ -10,6 +10,7 @@ import transformers
 from bounds import assert_as_precise_as_dense
 from tests.conftest import VOCAB, make_model
 from trl_dta.generation import PrefixCache
+from trl_dta.refusal import DTAUnsupportedError
 from trl_dta.tree import PrefixTree
 
 
@@ -137,5 +138,5 @@ def test_refusals():
         vocab_size=VOCAB, hidden_size=16, num_layers=2, num_heads=2, attention_types=[[["global"], 2]],
         max_position_embeddings=64, bos_token_id=1, eos_token_id=2)).eval()
     cache = PrefixCache(neo)
-    with pytest.raises(NotImplementedError, match="generation_cache=False"):
+    with pytest.raises(DTAUnsupportedError, match="generation_cache=False"):
         cache.logits(cache.add_rows([[3, 4, 5]]))

@@ -10,6 +10,7 @@ from accelerate.utils import DistributedType
 
 from trl_dta.parallel import STRATEGIES, Local, strategy_for
 from trl_dta.parallel.zero import _offloaded
+from trl_dta.refusal import DTAUnsupportedError
 
 
 def test_every_accelerate_distributed_type_has_an_entry():
@@ -18,7 +19,7 @@ def test_every_accelerate_distributed_type_has_an_entry():
 
 @pytest.mark.parametrize("kind", ["MEGATRON_LM", "XLA"])
 def test_refused_kinds_name_the_alternative(kind):
-    with pytest.raises(ValueError, match="not supported with DTA.*FSDP2|not supported with DTA.*DDP"):
+    with pytest.raises(DTAUnsupportedError, match="not supported with DTA.*FSDP2|not supported with DTA.*DDP"):
         STRATEGIES[kind](None, None)
 
 

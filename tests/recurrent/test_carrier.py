@@ -8,6 +8,7 @@ import torch
 
 from hybrid_models import HYBRID_FAMILIES, VOCAB
 from trl_dta.recurrent import RECURRENT_FAMILIES, LayerLayout, StateCarrier
+from trl_dta.refusal import DTAUnsupportedError
 
 K = 4  # conv kernel
 
@@ -53,12 +54,12 @@ def test_refusals():
     state = (torch.randn(1, 5, K - 1), torch.randn(1, 2, 3, 4))
     with pytest.raises(RuntimeError, match="one-token forward with a path state"):
         _carrier(state, length=1).get_recurrent_state(0)
-    with pytest.raises(NotImplementedError, match="several states"):
+    with pytest.raises(DTAUnsupportedError, match="several states"):
         _carrier(state).get_conv_state(0, state_idx=1)
-    with pytest.raises(NotImplementedError, match="without `conv_kernel_size`"):
+    with pytest.raises(DTAUnsupportedError, match="without `conv_kernel_size`"):
         _carrier(state).update_conv_state(torch.randn(1, 5, 3), 0)
     carrier = _carrier(None)
-    with pytest.raises(NotImplementedError, match=r"recurrent layers \[0\].*from layers \[\]"):
+    with pytest.raises(DTAUnsupportedError, match=r"recurrent layers \[0\].*from layers \[\]"):
         carrier.states()
     carrier.update_recurrent_state(torch.randn(1, 2, 3, 4), 0)
     assert carrier.states()[1] is None and carrier.states()[0][1].shape == (1, 2, 3, 4)

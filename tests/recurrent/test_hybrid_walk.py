@@ -20,6 +20,7 @@ from hybrid_models import HYBRID_FAMILIES, PRIMARY, float64_internals, hybrid_ba
 from reference import compare_grads, compare_lists, dense_forward_backward, grads_of
 from test_engine import nonlinear_loss
 from trl_dta import DTAEngine, PrefixTree
+from trl_dta.refusal import DTAUnsupportedError
 
 TOL = 1e-10
 SEQS = hybrid_batch()
@@ -161,5 +162,5 @@ def test_lockstep_is_refused():
     model = make_hybrid("qwen3_5_text")
     engine = DTAEngine(model)
     engine.lockstep = lambda n: n
-    with pytest.raises(NotImplementedError, match=r"recurrent layers \[0, 2\].*dta_fsdp_schedule='window'"):
+    with pytest.raises(DTAUnsupportedError, match=r"recurrent layers \[0, 2\].*dta_fsdp_schedule='window'"):
         engine.logprobs(SEQS[:3])

@@ -53,7 +53,8 @@ def _initial(model_dir: str) -> dict:
 def _check(runs: dict, model_dir: str) -> dict:
     if REFUSED in runs:
         refused = runs.pop(REFUSED)
-        assert refused["refused"] == "ValueError" and "dta_fsdp_schedule='window'" in refused["message"], refused
+        assert refused["refused"] == "DTAUnsupportedError", refused
+        assert "dta_fsdp_schedule='window'" in refused["message"], refused
     worst = compare(runs["trl@fp64"], runs["dta@fp64"], _initial(model_dir), model_dir)
     assert all(log["dta/dense_fallback"] == 0.0 for log in runs["dta@fp64"]["logs"])
     gaps = assert_bf16_runs({k: v for k, v in runs.items() if not k.endswith("@fp64")})

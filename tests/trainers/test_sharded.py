@@ -224,6 +224,6 @@ def test_unsupported_settings_refused_at_construction_from_every_source(tmp_path
     results.update(refuse(tmp_path, model_dir, [f"--config_file={config}"], ["launch"]))
     for case, (kind, words) in REFUSED.items():
         result = results[case]
-        assert result["raised"] == "ValueError", (case, result)
+        assert result["raised"] == "DTAUnsupportedError", (case, result)
         assert result["distributed_type"] == f"DistributedType.{kind}", (case, result)
         assert all(word in result["message"] for word in words), (case, result["message"])

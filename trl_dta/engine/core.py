@@ -19,7 +19,7 @@ from .. import _checks, attention, kernels
 from ..models import check_model_support, refusal_subject, rope_kinds
 from ..precision import Precision
 from ..recurrent import LayerLayout
-from ..refusal import Blocker
+from ..refusal import Blocker, refuse
 from ..tree import PrefixTree
 from . import router_loss as routers
 from .plan import ScorePlan
@@ -252,7 +252,8 @@ class DTAEngine:
             spec = routers.router_spec(lm)
             router_loss.check(tree.n_sequences)
         aux, counted, record = None, {}, None
-        with _engine_call(lm), (routers.RouterCapture(lm, spec) if spec else contextlib.nullcontext()) as capture:
+        with (_engine_call(lm, self.max_graph_tokens is not None),
+              routers.RouterCapture(lm, spec) if spec else contextlib.nullcontext() as capture):
             backend = self._device_backend(lm)
             observer = None
             if spec is not None and loss_fn is not None:  # training: the counting pass first
@@ -294,12 +295,10 @@ class DTAEngine:
 
     def _refuse_lockstep(self, lockstep: Lockstep | None) -> None:
         if lockstep is not None:
-            raise NotImplementedError(
-                f"DTAEngine.lockstep: {type(_causal_lm(self.model)).__name__} has recurrent layers "
-                f"{list(self.layout.recurrent)}, which cannot run the lockstep walk's packed subtree rows (a "
-                "recurrence cannot follow a tree mask). Leave `lockstep` unset (under FSDP2: the trainers' "
-                "`dta_fsdp_schedule='window'`)."
-            )
+            refuse(f"DTAEngine.lockstep with {refusal_subject(_causal_lm(self.model))}", [Blocker(
+                f"it has recurrent layers {list(self.layout.recurrent)}, which cannot run the lockstep walk's packed "
+                "subtree rows (a recurrence cannot follow a tree mask)",
+                fix="leave `lockstep` unset (under FSDP2: the trainers' `dta_fsdp_schedule='window'`)")])
 
     def _tree(self, seqs, lm) -> PrefixTree:
         """The batch as a tree, refused before any forward if the dense model could not run it."""
@@ -329,12 +328,11 @@ class DTAEngine:
         for p in rope_kinds(self._config):
             limit = (p or {}).get("original_max_position_embeddings")
             if (p or {}).get("rope_type") == "longrope" and limit is not None and n > limit:
-                raise NotImplementedError(
+                refuse(refusal_subject(lm), [Blocker(
                     f"`seqs[{longest}]` has {n} tokens, more than original_max_position_embeddings ({limit}) of this "
                     "longrope model: its RoPE switches frequencies by the longest position of each forward call, so a "
-                    "shared prefix would be rotated differently than in the dense run of the longer sequence. Keep "
-                    f"sequences within {limit} tokens."
-                )
+                    "shared prefix would be rotated differently than in the dense run of the longer sequence",
+                    fix=f"keep sequences within {limit} tokens")])
 
 
 def _router_request(router_loss):
@@ -377,9 +375,9 @@ def _refuse_running_call(owner: int | None) -> None:
 
 
 @contextlib.contextmanager
-def _engine_call(lm):
+def _engine_call(lm, budgeted: bool):
     """Hold `lm` for one engine call: refuse a second call on it, route its attention through DTA and suspend HF
-    gradient checkpointing, restoring everything on exit."""
+    gradient checkpointing (`_dta_attention`), restoring everything on exit."""
     key, me = id(lm), threading.get_ident()
     with _CALLS_LOCK:
         owner = _CALLS.get(key)
@@ -387,7 +385,7 @@ def _engine_call(lm):
             _CALLS[key] = me
     _refuse_running_call(owner)
     try:
-        with _dta_attention(lm):
+        with _dta_attention(lm, budgeted):
             yield
     finally:
         with _CALLS_LOCK:
@@ -395,14 +393,16 @@ def _engine_call(lm):
 
 
 @contextlib.contextmanager
-def _dta_attention(lm):
-    """Route `lm`'s attention through the engine and suspend HF gradient checkpointing, restoring both on exit."""
+def _dta_attention(lm, budgeted: bool):
+    """Route `lm`'s attention through the engine and suspend HF gradient checkpointing, restoring both on exit; a
+    one-time warning says so unless the engine has a memory budget (`budgeted`: `max_graph_tokens` set, e.g. by a DTA
+    trainer, whose own warning names it)."""
     configs = {id(m.config): m.config for m in lm.modules()
                if hasattr(getattr(m, "config", None), "_attn_implementation")}
     configs[id(lm.config)] = lm.config
     saved = {k: c._attn_implementation for k, c in configs.items()}
     checkpointed = [m for m in lm.modules() if getattr(m, "gradient_checkpointing", False) is True]
-    if checkpointed:
+    if checkpointed and not budgeted:
         _checks.warn_once(
             "engine:gradient_checkpointing",
             "DTAEngine: HF gradient checkpointing is suspended during engine calls (it drops the key/value prefix); "

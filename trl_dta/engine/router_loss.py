@@ -43,7 +43,7 @@ import torch
 
 from .. import _checks
 from ..precision import acc_dtype
-from ..refusal import DENSE_FALLBACK, TRAINER_CONFIG, Blocker, refuse
+from ..refusal import TRAINER_CONFIG, Blocker, refuse
 from ..tree import PrefixTree
 
 # Families whose causal LM adds transformers' Switch-style `load_balancing_loss_func` (top-k of the softmax, layers
@@ -57,7 +57,9 @@ ROUTER_LOSS_FAMILIES: dict[str, str] = {
     "granitemoehybrid": "num_local_experts",
 }
 
-_FIX = f"set `router_aux_loss_coef=0.0` in the trainer's config, {DENSE_FALLBACK}"
+# A router loss DTA cannot follow during a call: the subject and the fix of its refusal.
+_SUBJECT = "This model's MoE load-balancing loss"
+_FIX = {"router_aux_loss_coef": 0.0}
 
 
 @dataclass(frozen=True)
@@ -215,10 +217,9 @@ class RouterObserver:
         """
         logits = self.capture.take()
         if not logits:
-            raise NotImplementedError(
+            refuse(_SUBJECT, [Blocker(
                 f"no {self.spec.router_class.__name__} module ran in a forward of the decoder, so DTA sees no router "
-                f"logits for the load-balancing loss; {_FIX}"
-            )
+                "logits for the load-balancing loss", settings=_FIX, where=TRAINER_CONFIG)])
         flat = nodes.reshape(-1)
         real = flat >= 0
         idx = flat[real]
@@ -238,10 +239,9 @@ class RouterObserver:
     def _count(self, logits: list[torch.Tensor], idx: torch.Tensor, real: torch.Tensor) -> None:
         rec = self.record
         if rec.n_layers and len(logits) != rec.n_layers:
-            raise NotImplementedError(
+            refuse(_SUBJECT, [Blocker(
                 f"the decoder ran {len(logits)} routers in one forward and {rec.n_layers} in another; the "
-                f"load-balancing loss needs a fixed set of MoE layers; {_FIX}"
-            )
+                "load-balancing loss needs a fixed set of MoE layers", settings=_FIX, where=TRAINER_CONFIG)])
         rec.n_layers = len(logits)
         dtype = rec.counts.dtype
         counts = torch.zeros(len(idx), self.spec.n_experts, dtype=dtype, device=rec.counts.device)

@@ -48,6 +48,7 @@ from ..kv_stack import Frame, KVStack
 from ..lm_head import HeadSpec, head_logprobs
 from ..precision import Precision, acc_dtype, is_half
 from ..recurrent import LayerLayout, StateCarrier
+from ..refusal import Blocker, refuse
 from ..tree import PrefixTree
 from .ops import Op, Pop, Push, Rows, lockstep_batches, walk_ops
 from .plan import BlockTargets, ScorePlan
@@ -208,11 +209,10 @@ class TreeWalk:
                             **({"cache": carrier} if carrier is not None else {}))
         attention = self.layout.attention
         if ctx.calls != len(attention) or sorted(ctx.record) != list(attention):
-            raise NotImplementedError(
-                f"{type(self.lm).__name__}: {ctx.calls} attention calls through transformers' AttentionInterface, from "
-                f"layers {sorted(ctx.record)}, for the attention layers {list(attention)}; DTA needs every attention "
-                "layer to use it once, so this model is not supported."
-            )
+            refuse(type(self.lm).__name__, [Blocker(
+                f"{ctx.calls} attention calls through transformers' AttentionInterface, from layers "
+                f"{sorted(ctx.record)}, for the attention layers {list(attention)}; DTA needs every attention layer to "
+                "use it once")])
         states = carrier.states() if carrier is not None else None
         self.stats["forwards"] += 1
         self.stats["forward_tokens"] += n_real

@@ -27,6 +27,7 @@ from ..attention import _IGNORED_KWARGS
 from ..kernels.masks import PartMask
 from ..kernels.two_part import _fold, _pick, _unfold
 from ..precision import acc_dtype, attention_inputs
+from ..refusal import Blocker, refuse
 
 ATTN_IMPLEMENTATION = "dta_generate"
 _CHAIN = ("torch", "math")
@@ -98,10 +99,9 @@ def generation_attention(
                            "(use 'sdpa' or 'eager' as the model's attention implementation).")
     unknown = {k for k, v in kwargs.items() if v is not None and k not in _IGNORED_KWARGS}
     if unknown or dropout:
-        raise NotImplementedError(
-            f"{type(module).__name__} passes {sorted(unknown) or 'attention dropout'} to its attention function, "
-            "which the generation cache does not implement; generate without it (`generation_cache=False`)."
-        )
+        refuse(f"{type(module).__name__} in the generation cache", [Blocker(
+            f"it passes {sorted(unknown) or 'attention dropout'} to its attention function, which the generation "
+            "cache does not implement", fix="generate without it (`generation_cache=False`)")], alternative="")
     layer, batch, cache = module.layer_idx, dta_gen, dta_gen.cache
     batch.calls += 1
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5

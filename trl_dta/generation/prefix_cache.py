@@ -79,6 +79,7 @@ import torch
 
 from .._checks import check_int
 from ..models import _attention_implementation
+from ..refusal import Blocker, refuse
 from .attention import ATTN_IMPLEMENTATION, GenerationBatch, register
 
 
@@ -287,12 +288,11 @@ class PrefixCache:
         )
         out = self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1, dta_gen=batch)
         if batch.calls != self.n_layers:
-            raise NotImplementedError(
-                f"{type(self.model).__name__}: {batch.calls} of its {self.n_layers} layers called the attention "
-                "interface during a forward, so the generation cache cannot hold its state (state-space, linear or "
-                "own-code attention layers). Generate without the cache (`generation_cache=False`: `model.generate` "
-                "on every prefix)."
-            )
+            refuse(f"{type(self.model).__name__} in the generation cache", [Blocker(
+                f"{batch.calls} of its {self.n_layers} layers called the attention interface during a forward, so the "
+                "generation cache cannot hold its state (state-space, linear or own-code attention layers)",
+                fix="generate without the cache (`generation_cache=False`: `model.generate` on every prefix)")],
+                alternative="")
         self.stats.forward_calls += 1
         self.stats.forward_tokens += ids.numel()
         self._note_kv_bytes()

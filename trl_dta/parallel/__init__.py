@@ -24,7 +24,7 @@ the few operations the trainer calls (`trainers/_mixin.py` only dispatches):
 | same, `dta_fsdp_schedule="layer"`  | `fsdp2.FSDP2`  | held groups gathered, layers per call | layers: after every backward  |
 | `DEEPSPEED`, ZeRO-0/1/2            | `zero.Zero`    | the model, replicated parameters      | one DeepSpeed backward (pass) |
 
-Refused at construction, each with the supported alternative: FSDP1 (`fsdp_version: 1`), FSDP2 with CPU offload or
+Refused at construction (one `DTAUnsupportedError`), each with the supported alternative: FSDP1 (`fsdp_version: 1`), FSDP2 with CPU offload or
 FSDP activation checkpointing, DeepSpeed ZeRO-3 or ZeRO offload, tensor/context/sequence parallelism, Megatron-LM,
 XLA. The table is keyed on what accelerate set up (`accelerator.distributed_type`, its FSDP and DeepSpeed plugins),
 whatever the source: `TrainingArguments.fsdp` / `deepspeed`, an accelerate config file, `ACCELERATE_*` environment
@@ -33,34 +33,32 @@ variables, or plugins passed in code.
 
 from __future__ import annotations
 
-from ..refusal import DENSE_FALLBACK
+from ..refusal import DISTRIBUTED, TRAINER_ALTERNATIVE, Blocker, DTAUnsupportedError, refuse
 from .ddp import DataParallel, Local
-
-_FIX = DENSE_FALLBACK
 
 
 def _fsdp(accelerator, schedule: str):
     plugin = accelerator.state.fsdp_plugin
     version = getattr(plugin, "fsdp_version", 1)
+    blockers = []
     if version != 2:
-        raise ValueError(
+        blockers.append(Blocker(
             f"FSDP version {version} is not supported with DTA: DTA's gathered optimizer step drives FSDP2's "
-            "parameter groups (`trl_dta.parallel.fsdp2`), not FSDP1's flat parameters. Use FSDP2 (`fsdp_version: 2` "
-            f"in the accelerate config, or `fsdp_config={{'version': 2}}` in the training arguments), {_FIX}"
-        )
+            "parameter groups (`trl_dta.parallel.fsdp2`), not FSDP1's flat parameters",
+            fix="use FSDP2 (`fsdp_version: 2` in the accelerate config, or `fsdp_config={'version': 2}` in the "
+                "training arguments)"))
     if type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy":
-        raise ValueError(
+        blockers.append(Blocker(
             "FSDP2 CPU offload (`fsdp_offload_params: true`) is not supported with DTA: the gathered optimizer step "
-            "(`trl_dta.parallel.fsdp2`) is untested with host-resident shards and gradients. Turn offload off, or use "
-            f"DeepSpeed ZeRO-1/2, {_FIX}"
-        )
+            "(`trl_dta.parallel.fsdp2`) is untested with host-resident shards and gradients",
+            fix="turn offload off, or use DeepSpeed ZeRO-1/2"))
     if plugin.activation_checkpointing:
-        raise ValueError(
+        blockers.append(Blocker(
             "FSDP activation checkpointing (`fsdp_activation_checkpointing: true`) is not supported with DTA: it "
             "recomputes a layer's forward during the backward, when the engine's key/value stack has moved on to "
-            "another path. Turn it off; DTA bounds "
-            f"activation memory with its own block recompute (`dta_max_graph_tokens`), {_FIX}"
-        )
+            "another path",
+            fix="turn it off; DTA bounds activation memory with its own block recompute (`dta_max_graph_tokens`)"))
+    refuse(DISTRIBUTED, blockers, alternative=TRAINER_ALTERNATIVE)
     from .fsdp2 import FSDP2
 
     return FSDP2(schedule, accelerator.device)
@@ -72,11 +70,16 @@ def _deepspeed(accelerator, schedule: str):
     return Zero.from_accelerator(accelerator)
 
 
-def _refuse(kind: str, alternative: str):
-    def refuse(accelerator, schedule):
-        raise ValueError(f"{kind} is not supported with DTA. {alternative}, {_FIX}")
+def _refusing(blocker: Blocker):
+    def refuse_kind(accelerator, schedule):
+        raise DTAUnsupportedError(DISTRIBUTED, [blocker], alternative=TRAINER_ALTERNATIVE)
 
-    return refuse
+    return refuse_kind
+
+
+_MEGATRON = Blocker("Megatron-LM is not supported with DTA",
+                    fix="use FSDP2 (`fsdp_version: 2`), DeepSpeed ZeRO-1/2 or DDP")
+_XLA = Blocker("XLA (TPU) is not supported with DTA", fix="use a GPU or CPU device with DDP, FSDP2 or DeepSpeed ZeRO-1/2")
 
 
 def _data_parallel(accelerator, schedule: str):
@@ -90,8 +93,8 @@ STRATEGIES = {
                                          "MULTI_MUSA", "MULTI_XPU", "MULTI_HPU", "MULTI_NEURON")},
     "FSDP": _fsdp,
     "DEEPSPEED": _deepspeed,
-    "MEGATRON_LM": _refuse("Megatron-LM", "Use FSDP2 (`fsdp_version: 2`), DeepSpeed ZeRO-1/2 or DDP"),
-    "XLA": _refuse("XLA (TPU)", "Use a GPU or CPU device with DDP, FSDP2 or DeepSpeed ZeRO-1/2"),
+    "MEGATRON_LM": _refusing(_MEGATRON),
+    "XLA": _refusing(_XLA),
 }
 
 
@@ -101,11 +104,10 @@ def _check_parallelism(accelerator) -> None:
         return
     used = [name for name in ("tp", "cp", "sp") if getattr(config, f"{name}_enabled", False)]
     if used:
-        raise ValueError(
+        refuse(DISTRIBUTED, [Blocker(
             f"accelerate's parallelism_config enables {', '.join(n.upper() for n in used)} parallelism, which splits "
-            "each sequence or layer across ranks; DTA's walk needs whole sequences and whole layers on a rank. Use "
-            f"data parallelism only (`dp_shard_size` / `dp_replicate_size`), {_FIX}"
-        )
+            "each sequence or layer across ranks; DTA's walk needs whole sequences and whole layers on a rank",
+            fix="use data parallelism only (`dp_shard_size` / `dp_replicate_size`)")], alternative=TRAINER_ALTERNATIVE)
 
 
 def strategy_for(accelerator, fsdp_schedule: str = "window"):
@@ -119,10 +121,9 @@ def strategy_for(accelerator, fsdp_schedule: str = "window"):
     kind = getattr(accelerator.distributed_type, "name", str(accelerator.distributed_type))
     factory = STRATEGIES.get(kind)
     if factory is None:
-        raise ValueError(
-            f"accelerate distributed_type {kind} is not supported with DTA; supported: DDP (MULTI_CPU, MULTI_GPU, "
-            f"...), FSDP2 and DeepSpeed ZeRO-0/1/2, {_FIX}"
-        )
+        refuse(DISTRIBUTED, [Blocker(f"accelerate distributed_type {kind} is not supported with DTA",
+                                     fix="use DDP (MULTI_CPU, MULTI_GPU, ...), FSDP2 or DeepSpeed ZeRO-0/1/2")],
+               alternative=TRAINER_ALTERNATIVE)
     _check_parallelism(accelerator)
     return factory(accelerator, fsdp_schedule)
 

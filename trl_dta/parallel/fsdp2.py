@@ -72,10 +72,9 @@ import contextlib
 
 import torch
 
-from ..refusal import DENSE_FALLBACK
+from ..refusal import DISTRIBUTED, TRAINER_ALTERNATIVE, Blocker, refuse
 from .ddp import Local
 
-_FIX = DENSE_FALLBACK
 _GROUP_FLAGS = ("post_forward_mesh_info", "reshard_after_backward", "reduce_grads", "all_reduce_grads",
                 "reduce_scatter_unused_params")
 
@@ -93,11 +92,10 @@ def check_fsdp2_api() -> None:
                                   "set_reshard_after_forward", "set_reshard_after_backward")
                 if not hasattr(FSDPModule, name)]
     if missing:
-        raise RuntimeError(
+        refuse(DISTRIBUTED, [Blocker(
             f"DTA under FSDP2 drives FSDP2's gathering and gradient reduction through torch internals missing here "
-            f"({missing}; written against torch 2.13, installed {torch.__version__}). Install torch 2.13, or use DDP "
-            f"or DeepSpeed ZeRO-1/2, {_FIX}"
-        )
+            f"({missing}; written against torch 2.13, installed {torch.__version__})",
+            fix="install torch 2.13, or use DDP or DeepSpeed ZeRO-1/2")], alternative=TRAINER_ALTERNATIVE)
 
 
 def fsdp_modules(model) -> list:

@@ -31,10 +31,9 @@ from __future__ import annotations
 
 import torch
 
-from ..refusal import DENSE_FALLBACK
+from ..refusal import DISTRIBUTED, TRAINER_ALTERNATIVE, Blocker, refuse
 from .ddp import Local
 
-_FIX = DENSE_FALLBACK
 _EXTRA = 'pip install wheel "setuptools>=68" && pip install --no-build-isolation "trl-dta[deepspeed]"'
 
 
@@ -68,18 +67,18 @@ class Zero(Local):
         """The strategy for accelerate's DeepSpeed plugin; refuses ZeRO-3 and offload at construction."""
         plugin = accelerator.state.deepspeed_plugin
         stage = int(plugin.zero_stage)
+        blockers = []
         if stage == 3:
-            raise ValueError(
+            blockers.append(Blocker(
                 "DeepSpeed ZeRO-3 is not supported with DTA: it partitions the parameters and gathers them in module "
-                "hooks, which the engine's direct calls into the decoder and the LM head bypass. Use ZeRO-2 "
-                f"(`zero_stage: 2`) or FSDP2 (`fsdp_version: 2`), {_FIX}"
-            )
+                "hooks, which the engine's direct calls into the decoder and the LM head bypass",
+                fix="use ZeRO-2 (`zero_stage: 2`) or FSDP2 (`fsdp_version: 2`)"))
         offloaded = _offloaded(plugin.deepspeed_config)
         if offloaded:
-            raise ValueError(
+            blockers.append(Blocker(
                 f"DeepSpeed ZeRO offload ({', '.join(offloaded)}) is not supported with DTA (untested with the "
-                f"window's coalesced reduction). Set the offload devices to 'none', {_FIX}"
-            )
+                "window's coalesced reduction)", fix="set the offload devices to 'none'"))
+        refuse(DISTRIBUTED, blockers, alternative=TRAINER_ALTERNATIVE)
         _deepspeed()
         return cls(accelerator, stage)
 
@@ -95,10 +94,10 @@ class Zero(Local):
         optimizer = engine.optimizer
         hooks = getattr(optimizer, "_grad_acc_hooks", [])  # none under ZeRO-0 (DeepSpeed all-reduces in its epilogue)
         if hooks and not hasattr(optimizer, "create_gradient_handling_hooks"):
-            raise RuntimeError(
+            refuse(DISTRIBUTED, [Blocker(
                 f"DTA under DeepSpeed drives the ZeRO optimizer's gradient hooks ({type(optimizer).__name__} has none "
-                f"of DeepSpeed 0.19's `_grad_acc_hooks`): install DeepSpeed 0.19 (`{_EXTRA}`), {_FIX}"
-            )
+                "of DeepSpeed 0.19's `_grad_acc_hooks`)", fix=f"install DeepSpeed 0.19 (`{_EXTRA}`)")],
+                alternative=TRAINER_ALTERNATIVE)
         had_hooks = bool(hooks)
         for hook in hooks:
             hook.remove()

@@ -43,7 +43,10 @@ from __future__ import annotations
 
 import torch
 
+from ..refusal import Blocker, refuse
 from .layout import LayerLayout
+
+_SUBJECT = "This hybrid model"
 
 # The states of one recurrent layer: (conv state `(1, channels, k - 1)`, recurrent state `(1, ...)` or None).
 LayerStates = tuple
@@ -106,10 +109,9 @@ class StateCarrier:
             conv_kernel_size (`int`): the layer's kernel `k`.
         """
         if conv_kernel_size is None:
-            raise NotImplementedError(
+            refuse(_SUBJECT, [Blocker(
                 f"layer {layer_idx} calls `cache.update_conv_state` without `conv_kernel_size`, so DTA cannot tell how "
-                "many of the path's inputs its convolution needs; this model family is not supported."
-            )
+                "many of the path's inputs its convolution needs")])
         self._check_state_index(layer_idx, state_idx)
         prev = self.get_conv_state(layer_idx)
         full = conv_states if prev is None else torch.cat([prev.to(conv_states.dtype), conv_states], dim=-1)
@@ -131,17 +133,16 @@ class StateCarrier:
         """The new states, `(n_layers,)` entries: `(conv, recurrent)` for each recurrent layer, None elsewhere.
 
         Raises:
-            `NotImplementedError`: a recurrent layer did not hand its states to the carrier (it keeps them
+            `DTAUnsupportedError`: a recurrent layer did not hand its states to the carrier (it keeps them
                 elsewhere, so DTA cannot carry them along the path), or a layer outside the layout did.
         """
         seen = set(self.conv) | set(self.recurrent)
         expected = set(self.layout.recurrent)
         if seen != expected:
-            raise NotImplementedError(
+            refuse(_SUBJECT, [Blocker(
                 f"the model's recurrent layers {sorted(expected)} (by `config.layer_types`) handed states to the "
                 f"forward's cache from layers {sorted(seen)}: DTA carries a layer's states along the tree only through "
-                "`cache.update_conv_state` / `update_recurrent_state`, so this model family is not supported."
-            )
+                "`cache.update_conv_state` / `update_recurrent_state`")])
         out: list[LayerStates | None] = [None] * self.layout.n_layers
         for layer in self.layout.recurrent:
             out[layer] = (self.conv.get(layer), self.recurrent.get(layer))
@@ -151,10 +152,9 @@ class StateCarrier:
 
     def _check_state_index(self, layer_idx: int, state_idx: int) -> None:
         if state_idx != 0:
-            raise NotImplementedError(
+            refuse(_SUBJECT, [Blocker(
                 f"layer {layer_idx} keeps several states in the cache (`state_idx={state_idx}`); DTA carries one conv "
-                "and one recurrent state per layer, so this model family is not supported."
-            )
+                "and one recurrent state per layer")])
 
     def _state(self, layer_idx: int, state_idx: int, which: int) -> torch.Tensor | None:
         self._check_state_index(layer_idx, state_idx)

@@ -18,7 +18,7 @@ from ..batch import SAMPLE_LAYOUTS
 from ..generation.tree_sampling import TREE_OFF
 from ..kernels import BACKENDS
 from ..parallel.fsdp2 import SCHEDULES
-from ..refusal import TRAINER_CONFIG, Blocker, refuse
+from ..refusal import TRAINER_ALTERNATIVE, TRAINER_CONFIG, Blocker, refuse
 from .config_doc import config_docstring, parameters_doc, parameters_markdown
 from .tree_advantages import ADVANTAGES, PER_TOKEN
 
@@ -442,4 +442,4 @@ def check_trainer_args(args) -> None:
         blockers.append(Blocker(
             f"`optim={getattr(args.optim, 'value', args.optim)!r}` fuses the optimizer step into `backward`, which DTA "
             "calls many times per optimizer step", settings={"optim": "adamw_torch"}, where=TRAINER_CONFIG))
-    refuse(f"A trainer with this {type(args).__name__}", blockers)
+    refuse(f"A trainer with this {type(args).__name__}", blockers, alternative=TRAINER_ALTERNATIVE)

@@ -15,12 +15,14 @@ from accelerate.utils import is_peft_model
 
 from .._checks import dropout_blockers
 from ..engine.router_loss import router_loss_blocker
-from ..models import refusal_subject, refusal_tail
-from ..refusal import DENSE_FALLBACK, TRAINER_CONFIG, Blocker, DTAUnsupportedError, refuse
+from ..models import TESTED_MODEL_TYPES, refusal_subject, refusal_tail
+from ..refusal import TRAINER_ALTERNATIVE, TRAINER_CONFIG, Blocker, DTAUnsupportedError, refuse
 
 _DISABLE_DROPOUT = Blocker("", settings={"disable_dropout": True}, where=TRAINER_CONFIG)
 _VISION = Blocker("it is a vision-language model: DTA supports text-only models, and vision-language inputs need TRL's "
                   "dense path")
+# The engine's arguments a trainer sets from its config: an engine error about one names the field the user set.
+_ENGINE_FIELDS = {"attn_backend": "dta_attn_backend"}
 _PROMPT_LEARNING = Blocker("its prompt-learning adapters (prompt/prefix/p-tuning) add virtual tokens in the PEFT "
                            "model's forward, which DTA does not run",
                            fix="use a LoRA-style adapter instead (e.g. `peft_config=LoraConfig(...)`)")
@@ -36,7 +38,9 @@ def check_policy(model, *, is_vlm: bool, aux_loss_enabled: bool, build_engine: C
         build_engine (`Callable[[], DTAEngine]`): builds the policy's engine (whose construction checks the model).
 
     Raises:
-        `DTAUnsupportedError`: one message listing every blocker with its fix.
+        `DTAUnsupportedError`: one message listing every blocker with its fix, in the trainer's words (the dense
+            alternative is `dta_enabled=False`; the tested families are listed only for an untested one).
+        `ValueError`: an engine argument the trainer set is wrong here, named by its `dta_*` field.
     """
     lm = model.get_base_model() if is_peft_model(model) else model
     blockers: list[Blocker] = []
@@ -47,24 +51,27 @@ def check_policy(model, *, is_vlm: bool, aux_loss_enabled: bool, build_engine: C
             build_engine()
         except DTAUnsupportedError as refusal:
             blockers += refusal.blockers
+        except ValueError as error:  # "`attn_backend`: ..." -> "`dta_attn_backend`: ..."
+            name, colon, reason = str(error).partition(": ")
+            if not colon or name.strip("`") not in _ENGINE_FIELDS:
+                raise
+            raise ValueError(f"`{_ENGINE_FIELDS[name.strip('`')]}`: {reason}") from None
     if aux_loss_enabled:  # TRL's MoE load-balancing loss: exact over the tree for the families DTA knows
         router = router_loss_blocker(lm)
         blockers += [router] if router is not None else []
     if is_peft_model(model) and any(c.is_prompt_learning for c in model.peft_config.values()):
         blockers.append(_PROMPT_LEARNING)
     blockers += dropout_blockers(model, _DISABLE_DROPOUT, training_only=False)
-    refuse(refusal_subject(lm), blockers, refusal_tail())
+    untested = lm.config.get_text_config().model_type not in TESTED_MODEL_TYPES
+    refuse(refusal_subject(lm), blockers, refusal_tail() if untested else "", alternative=TRAINER_ALTERNATIVE)
 
 
 def check_schedule(engine, lockstep: bool) -> None:
     """Refuse FSDP2's per-layer schedule (`lockstep`) for a hybrid model's engine, at construction rather than at the
-    first engine call (`DTAEngine` refuses a lockstep call on recurrent layers).
-
-    A `ValueError` of its own, not a [`DTAUnsupportedError`]: the model runs, this distributed setting does not.
-    """
+    first engine call (`DTAEngine` refuses a lockstep call on recurrent layers)."""
     if lockstep and engine.layout.hybrid:
-        raise ValueError(
-            "dta_fsdp_schedule='layer' runs packed subtree rows in lockstep across the ranks, which the recurrent "
-            "layers of this hybrid model cannot run exactly (a recurrence cannot follow a tree mask). Use "
-            f"dta_fsdp_schedule='window' (the default), {DENSE_FALLBACK}"
-        )
+        lm = engine.model.get_base_model() if is_peft_model(engine.model) else engine.model
+        refuse(f"{refusal_subject(lm)} under FSDP2's per-layer schedule", [Blocker(
+            "`dta_fsdp_schedule='layer'` runs packed subtree rows in lockstep across the ranks, which the recurrent "
+            "layers of this hybrid model cannot run exactly (a recurrence cannot follow a tree mask)",
+            settings={"dta_fsdp_schedule": "window"}, where=TRAINER_CONFIG)], alternative=TRAINER_ALTERNATIVE)
