@@ -35,11 +35,11 @@ GROUPS = (
      ("trl_dta/trainers/",)),
     ("A model DTA cannot reproduce", "giving the engine or a trainer a model: the family rules, the four-token probe, "
      "the attention's own checks, the hybrids' recurrent layers",
-     ("trl_dta/models.py", "trl_dta/refusal.py", "trl_dta/attention.py", "trl_dta/recurrent/")),
+     ("trl_dta/modeling/support.py", "trl_dta/refusal.py", "trl_dta/modeling/attention.py", "trl_dta/recurrent/")),
     ("Several processes", "`accelerate launch`, DDP, FSDP2, DeepSpeed: the distributed settings DTA refuses",
      ("trl_dta/parallel/", "trl_dta/distributed.py")),
     ("Calling the engine", "`DTAEngine`, `PrefixTree` and the kernels directly",
-     ("trl_dta/engine/", "trl_dta/tree.py", "trl_dta/kernels/", "trl_dta/kv_stack.py", "trl_dta/lm_head.py",
+     ("trl_dta/engine/", "trl_dta/tree.py", "trl_dta/kernels/", "trl_dta/kv_stack.py", "trl_dta/modeling/lm_head.py",
       "trl_dta/precision.py", "trl_dta/batch.py")),
     ("Generating with the prefix cache", "`trl_dta.generation` (agent rollouts, tree rollouts)",
      ("trl_dta/generation/",)),

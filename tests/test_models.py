@@ -13,7 +13,7 @@ from moe_models import MOE_FAMILIES, MOE_WITHOUT_AUX
 from reference import grads_of
 from test_engine import TOL, check
 from trl_dta.kernels import available_backends
-from trl_dta.models import DENSE_ALTERNATIVE, TESTED_MODEL_TYPES, check_model_support
+from trl_dta.modeling.support import DENSE_ALTERNATIVE, TESTED_MODEL_TYPES, check_model_support
 
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
              pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
@@ -153,7 +153,7 @@ def test_unsupported_family_is_refused_before_any_forward(family):
 
 def test_granite_logits_scaling_head_matches_dense_logits():
     """Granite divides its logits by `logits_scaling`; the DTA head applies the same factor."""
-    from trl_dta.lm_head import HeadSpec, head_logprobs
+    from trl_dta.modeling.lm_head import HeadSpec, head_logprobs
 
     model = build(SUPPORTED["granite"](), torch.float64)
     ids = torch.tensor([[5, 9, 17, 33, 40, 2]])

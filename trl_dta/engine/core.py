@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import _checks, attention, kernels
-from ..models import check_model_support, refusal_subject, rope_kinds
+from .. import _checks, kernels
+from ..modeling import attention
+from ..modeling.support import check_model_support, refusal_subject, rope_kinds
 from ..precision import Precision
 from ..recurrent import LayerLayout
 from ..refusal import Blocker
@@ -98,10 +99,10 @@ class DTAEngine:
             batched. `0` walks every internal segment.
         lm_head_chunk_size (`int`, *optional*, defaults to `4096`): rows projected through the LM head at once, at most
             `lm_head.MAX_TILE_LOGITS // vocab_size` (a tile holds at most 2**24 logits: 110 rows for a 152k vocabulary).
-        attn_backend (`str`, *optional*, defaults to `"auto"`): the attention kernels (`trl_dta.attention` has the
-            table). `"sdpa"`: the reference, which concatenates the path in front of every row (the path's keys and
-            values held once per row of a batched forward); `"torch"`, `"flash"`, `"triton"`: two-part attention,
-            the path stored once and attended by all rows in one call, merged with the rows' own part by
+        attn_backend (`str`, *optional*, defaults to `"auto"`): the attention kernels (`trl_dta.modeling.attention`
+            has the table). `"sdpa"`: the reference, which concatenates the path in front of every row (the path's
+            keys and values held once per row of a batched forward); `"torch"`, `"flash"`, `"triton"`: two-part
+            attention, the path stored once and attended by all rows in one call, merged with the rows' own part by
             log-sum-exp; `"auto"`: the fastest exact backend on the model's device (CPU: `"torch"`; CUDA: `"flash"`
             when flash-attn is installed, else `"torch"`). All are exact; an unavailable choice is refused here.
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import _IGNORED_KWARGS
 from ..kernels.masks import PartMask
 from ..kernels.two_part import _fold, _pick, _unfold
+from ..modeling.attention import _IGNORED_KWARGS
 from ..precision import acc_dtype, attention_inputs
 
 ATTN_IMPLEMENTATION = "dta_generate"

@@ -78,7 +78,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._checks import check_int
-from ..models import _attention_implementation
+from ..modeling.support import _attention_implementation
 from .attention import ATTN_IMPLEMENTATION, GenerationBatch, register
 
 

@@ -13,7 +13,7 @@ transformers names each layer's kind in `config.layer_types`; the kinds the engi
 A model without `layer_types` is all attention. [`RECURRENT_FAMILIES`] lists the model types whose recurrent layers
 take their states from the cache object of the forward (`cache.get_conv_state` / `get_recurrent_state` /
 `update_conv_state` / `update_recurrent_state`, the seam [`StateCarrier`] fills) and whose equivalence the tests
-cover; a recurrent layer of any other family stays refused (`models.py`).
+cover; a recurrent layer of any other family stays refused (`modeling/support.py`).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .precision import acc_dtype, head_compute_dtype, is_half
+from ..precision import acc_dtype, head_compute_dtype, is_half
 
 
 def _times(field: str) -> Callable[[object], float]:

@@ -42,12 +42,13 @@ from collections.abc import Callable
 
 import torch
 
-from . import _checks, attention
-from .kv_stack import Frame, KVStack
+from .. import _checks
+from ..kv_stack import Frame, KVStack
+from ..precision import Precision, is_half
+from ..recurrent import RECURRENT_FAMILIES, RECURRENT_LAYER_TYPES, LayerLayout, StateCarrier
+from ..refusal import DENSE_ALTERNATIVE, MODEL_CONFIG, Blocker, refuse  # noqa: F401  (DENSE_ALTERNATIVE re-exported)
+from . import attention
 from .lm_head import HeadSpec, head_logprobs, unknown_logit_scaling
-from .precision import Precision, is_half
-from .recurrent import RECURRENT_FAMILIES, RECURRENT_LAYER_TYPES, LayerLayout, StateCarrier
-from .refusal import DENSE_ALTERNATIVE, MODEL_CONFIG, Blocker, refuse  # noqa: F401  (DENSE_ALTERNATIVE re-exported)
 
 # Model families whose equivalence with the dense per-sequence computation the test suite covers (tests/test_models.py
 # and tests/test_engine.py). Other families that pass the probe run with a one-time warning.

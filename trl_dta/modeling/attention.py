@@ -44,9 +44,9 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import two_part_attention
-from .kv_stack import KVStack
-from .precision import attention_inputs
+from ..kernels import two_part_attention
+from ..kv_stack import KVStack
+from ..precision import attention_inputs
 
 ATTN_IMPLEMENTATION = "dta"
 
