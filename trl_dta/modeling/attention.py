@@ -51,7 +51,7 @@ from ..precision import attention_inputs
 ATTN_IMPLEMENTATION = "dta"
 
 # Keyword arguments the models pass to the attention function that do not change the attention itself.
-_IGNORED_KWARGS = frozenset(
+IGNORED_KWARGS = frozenset(
     {"position_ids", "use_cache", "cache_position", "output_attentions", "is_causal", "layer_idx", "cache"}
 )
 
@@ -133,7 +133,7 @@ def dta_attention(
             f"attention dropout ({dropout}) is active: DTA cannot reproduce random dropout masks of the dense path. "
             "Call model.eval() or set `attention_dropout=0` in the model config."
         )
-    unknown = {k for k, v in kwargs.items() if v is not None and k not in _IGNORED_KWARGS}
+    unknown = {k for k, v in kwargs.items() if v is not None and k not in IGNORED_KWARGS}
     if unknown:
         raise NotImplementedError(
             f"{type(module).__name__} passes {sorted(unknown)} to its attention function, which DTA does not "
