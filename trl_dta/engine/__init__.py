@@ -44,9 +44,9 @@ blocks or walk), `ops.py` (the walk's op stream, which `memory.py` replays too),
 masks), `walk.py` (execution of the op stream), `router_loss.py` (the MoE load-balancing loss over the tree).
 """
 
-from ..modeling import TESTED_MODEL_TYPES
+from ..modeling.families import ROUTER_LOSS_FAMILIES, TESTED_MODEL_TYPES
 from .core import DTAEngine, DTAOutput
-from .router_loss import ROUTER_LOSS_FAMILIES, LoadBalancing
+from .router_loss import LoadBalancing
 from .walk import LossFn
 
 __all__ = ["ROUTER_LOSS_FAMILIES", "TESTED_MODEL_TYPES", "DTAEngine", "DTAOutput", "LoadBalancing", "LossFn"]

@@ -17,7 +17,9 @@ import torch
 
 from .. import _checks, kernels
 from ..modeling import attention
+from ..modeling.routers import RouterCapture, router_spec
 from ..modeling.support import check_model_support, refusal_subject, rope_kinds
+from ..modeling.switch import attention_implementation
 from ..precision import Precision
 from ..recurrent import LayerLayout
 from ..refusal import Blocker
@@ -113,7 +115,7 @@ class DTAEngine:
     then runs its tree as batches of packed subtree rows, as many as every process runs (`engine/walk.py`,
     "Lockstep"; stat `idle_batches`). Exact like every schedule.
 
-    Hybrid models (recurrent layers beside attention, `trl_dta.recurrent.RECURRENT_FAMILIES`): the recurrent layers'
+    Hybrid models (recurrent layers beside attention, the hybrid rows of `modeling.FAMILIES`): the recurrent layers'
     states are carried along the tree (`engine.layout`); `max_pack_tokens` has no effect on them (a recurrence cannot
     follow a tree mask, so every internal segment is walked and only leaves are batched) and `lockstep` is refused.
 
@@ -250,10 +252,10 @@ class DTAEngine:
                           lm_head_chunk_size=self.lm_head_chunk_size)
         spec = None
         if router_loss is not None:
-            spec = routers.router_spec(lm)
+            spec = router_spec(lm)
             router_loss.check(tree.n_sequences)
         aux, counted, record = None, {}, None
-        with _engine_call(lm), (routers.RouterCapture(lm, spec) if spec else contextlib.nullcontext()) as capture:
+        with _engine_call(lm), (RouterCapture(lm, spec) if spec else contextlib.nullcontext()) as capture:
             backend = self._device_backend(lm)
             observer = None
             if spec is not None and loss_fn is not None:  # training: the counting pass first
@@ -388,36 +390,8 @@ def _engine_call(lm):
             _CALLS[key] = me
     _refuse_running_call(owner)
     try:
-        with _dta_attention(lm):
+        with attention_implementation(lm, attention.ATTN_IMPLEMENTATION, suspend_checkpointing=True):
             yield
     finally:
         with _CALLS_LOCK:
             del _CALLS[key]
-
-
-@contextlib.contextmanager
-def _dta_attention(lm):
-    """Route `lm`'s attention through the engine and suspend HF gradient checkpointing, restoring both on exit."""
-    configs = {id(m.config): m.config for m in lm.modules()
-               if hasattr(getattr(m, "config", None), "_attn_implementation")}
-    configs[id(lm.config)] = lm.config
-    saved = {k: c._attn_implementation for k, c in configs.items()}
-    checkpointed = [m for m in lm.modules() if getattr(m, "gradient_checkpointing", False) is True]
-    if checkpointed:
-        _checks.warn_once(
-            "engine:gradient_checkpointing",
-            "DTAEngine: HF gradient checkpointing is suspended during engine calls (it drops the key/value prefix); "
-            "set `max_graph_tokens` to bound memory with the engine's own recompute instead.",
-        )
-    try:
-        for c in configs.values():
-            c._attn_implementation = attention.ATTN_IMPLEMENTATION
-        for m in checkpointed:
-            m.gradient_checkpointing = False
-        yield
-    finally:
-        for k, c in configs.items():
-            c._attn_implementation = saved[k]
-        for m in checkpointed:
-            m.gradient_checkpointing = True
-

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from accelerate.utils import is_peft_model
 
 from .._checks import dropout_blockers
-from ..engine.router_loss import router_loss_blocker
+from ..modeling.routers import router_loss_blocker
 from ..modeling.support import refusal_subject, refusal_tail
 from ..refusal import DENSE_FALLBACK, TRAINER_CONFIG, Blocker, DTAUnsupportedError, refuse
 
