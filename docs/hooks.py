@@ -39,11 +39,13 @@ GROUPS = (
      ("trl_dta/trainers/",)),
     ("A model DTA cannot reproduce", "giving the engine or a trainer a model: the family rules, the four-token probe, "
      "the attention's own checks, the hybrids' recurrent layers",
-     ("trl_dta/models.py", "trl_dta/refusal.py", "trl_dta/attention.py", "trl_dta/recurrent/")),
+     ("trl_dta/modeling/support.py", "trl_dta/modeling/families.py", "trl_dta/refusal.py",
+      "trl_dta/modeling/attention.py", "trl_dta/recurrent/")),
     ("Several processes", "`accelerate launch`, DDP, FSDP2, DeepSpeed: the distributed settings DTA refuses",
      ("trl_dta/parallel/", "trl_dta/distributed.py", "trl_dta/trainers/launch.py")),
     ("Calling the engine", "`DTAEngine`, `PrefixTree` and the kernels directly",
-     ("trl_dta/engine/", "trl_dta/tree.py", "trl_dta/kernels/", "trl_dta/kv_stack.py", "trl_dta/lm_head.py",
+     ("trl_dta/engine/", "trl_dta/tree.py", "trl_dta/kernels/", "trl_dta/kv_stack.py", "trl_dta/modeling/lm_head.py",
+      "trl_dta/modeling/routers.py", "trl_dta/modeling/switch.py",
       "trl_dta/precision.py", "trl_dta/batch.py")),
     ("Generating with the prefix cache", "`trl_dta.generation` (agent rollouts, tree rollouts)",
      ("trl_dta/generation/",)),
@@ -155,8 +157,8 @@ def _blocker(call: ast.Call, names: dict[str, ast.expr]) -> str | None:
     else:
         return None
     text = _render(feature, names)
-    if not text.strip():
-        return None
+    if not text.strip() or _passed_on(text):
+        return None  # a template, or a blocker that passes on a finding listed where it is raised
     settings, fix = kwargs.get("settings"), kwargs.get("fix")
     if isinstance(settings, ast.Name) and isinstance(names.get(settings.id), ast.Dict):  # a shared fix, e.g. `_FIX`
         settings = names[settings.id]
@@ -212,6 +214,15 @@ def _imported_strings(trees: dict[tuple[str, ...], ast.Module]) -> dict[tuple[st
     return out
 
 
+# Exceptions raised inside a check and refused as a blocker (the support probe's findings).
+_BLOCKER_FINDINGS = frozenset({"_ProbeFailure"})
+
+
+def _passed_on(text: str) -> bool:
+    """A message that is one run-time value (`⟨str(failure)⟩`): a finding passed on, listed where it is made."""
+    return text.startswith("⟨") and text.endswith("⟩") and text.count("⟨") == 1
+
+
 def collect_refusals(package: Path = PACKAGE) -> list[dict]:
     """Every `raise SomeError(message, ...)` and every `Blocker(...)` under `package`: module path, function,
     exception (`DTAUnsupportedError` for a blocker: they are raised together in one), message."""
@@ -246,8 +257,13 @@ def collect_refusals(package: Path = PACKAGE) -> list[dict]:
                         and ast.unparse(child.exc.func) != "DTAUnsupportedError"):  # its blockers are listed
                     exc = ast.unparse(child.exc.func)
                     message = " ".join(_render(child.exc.args[0], names).split())
-                    found.append({"module": module, "function": function,
-                                  "line": child.lineno, "exception": exc, "message": message})
+                    row = {"module": module, "function": function, "line": child.lineno, "exception": exc,
+                           "message": message}
+                    if exc in _BLOCKER_FINDINGS:  # caught and refused as a blocker without a fix
+                        row.update(exception="DTAUnsupportedError", message=f"{message}. No setting removes it.",
+                                   blocker=True)
+                    if not (exc in _BLOCKER_FINDINGS and _passed_on(message)):
+                        found.append(row)
                 visit(child, function, names)
 
         visit(tree, "", module_names)

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from reference import max_rel_err
-from trl_dta.attention import AttentionContext, dta_attention
 from trl_dta.kernels import available_backends, key_end_from_row_mask
 from trl_dta.kernels.sdpa import _mask
 from trl_dta.kv_stack import Frame, KVStack
+from trl_dta.modeling.attention import AttentionContext, dta_attention
 from trl_dta.refusal import DTAUnsupportedError
 
 BACKENDS = [pytest.param(name, marks=pytest.mark.skipif(name not in available_backends("cpu"),

@@ -10,7 +10,7 @@ import torch
 from bounds import assert_as_precise_as_dense, chain_bound
 from conftest import make_model
 from reference import max_rel_err
-from trl_dta.lm_head import MAX_TILE_LOGITS, HeadSpec, head_logprobs, tile_rows
+from trl_dta.modeling.lm_head import MAX_TILE_LOGITS, HeadSpec, head_logprobs, tile_rows
 
 TOL = {torch.float64: 1e-10}
 HIDDEN = 16

@@ -14,7 +14,8 @@ from moe_models import MOE_FAMILIES, MOE_WITHOUT_AUX
 from reference import grads_of
 from test_engine import TOL, check
 from trl_dta.kernels import available_backends
-from trl_dta.models import DENSE_ALTERNATIVE, TESTED_MODEL_TYPES, check_model_support
+from trl_dta.modeling.families import TESTED_MODEL_TYPES
+from trl_dta.modeling.support import DENSE_ALTERNATIVE, check_model_support
 
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
              pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
@@ -66,7 +67,7 @@ REFUSED = {
                            "other log-probs than the dense forward"),
     "mamba": (lambda: transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2),
               "linear_attention"),
-    # Hybrids outside `recurrent.RECURRENT_FAMILIES`: Jamba's Mamba (v1) layers, MiniMax's lightning attention (a
+    # Hybrids outside `families.RECURRENT_FAMILIES`: Jamba's Mamba (v1) layers, MiniMax's lightning attention (a
     # cache seam of its own, `get_linear_cache`).
     "jamba": (lambda: transformers.JambaConfig(**SMALL, intermediate_size=48, num_key_value_heads=2,
                                                attn_layer_period=2, attn_layer_offset=1, num_experts=1,
@@ -158,7 +159,7 @@ def test_unsupported_family_is_refused_before_any_forward(family):
 
 def test_granite_logits_scaling_head_matches_dense_logits():
     """Granite divides its logits by `logits_scaling`; the DTA head applies the same factor."""
-    from trl_dta.lm_head import HeadSpec, head_logprobs
+    from trl_dta.modeling.lm_head import HeadSpec, head_logprobs
 
     model = build(SUPPORTED["granite"](), torch.float64)
     ids = torch.tensor([[5, 9, 17, 33, 40, 2]])

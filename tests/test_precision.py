@@ -18,7 +18,7 @@ from reference import dense_forward_backward, dense_logps, grads_of
 from test_models import REFUSED, build
 from trl_dta import DTAEngine
 from trl_dta.kernels import available_backends, part_kernels, two_part_attention
-from trl_dta.models import check_model_support
+from trl_dta.modeling.support import check_model_support
 from trl_dta.precision import Precision, attention_inputs
 
 BF16 = dict(device_type="cpu", dtype=torch.bfloat16)

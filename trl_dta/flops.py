@@ -216,36 +216,24 @@ class ModelShape:
 
 RECURRENT_KINDS = frozenset({"gated_deltanet", "mamba2"})
 
-# Recurrent-layer fields per family: (kind, config attribute of heads, groups, key dim, value dim, kernel, chunk);
-# an int is the value itself (the Gated DeltaNet scan's chunk is fixed in transformers).
-_RECURRENT_CONFIGS = {
-    "qwen3_5_text": ("gated_deltanet", "linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim",
-                     "linear_value_head_dim", "linear_conv_kernel_dim", 64),
-    "nemotron_h": ("mamba2", "mamba_num_heads", "n_groups", "ssm_state_size", "mamba_head_dim", "conv_kernel",
-                   "chunk_size"),
-    **dict.fromkeys(("granitemoehybrid", "bamba", "falcon_h1"), (
-        "mamba2", "mamba_n_heads", "mamba_n_groups", "mamba_d_state", "mamba_d_head", "mamba_d_conv",
-        "mamba_chunk_size")),
-}
-_RECURRENT_CONFIGS["qwen3_next"] = _RECURRENT_CONFIGS["qwen3_5_text"]
-
-
 def _hybrid_fields(config) -> dict:
-    """`ModelShape` fields of a hybrid's recurrent, attention and MLP layers from its `layer_types` (none for other
-    configs). Nemotron-H has MLPs only in its `mlp`/`moe` layers; the other hybrids in every layer."""
+    """`ModelShape` fields of a hybrid's recurrent, attention and MLP layers from its `layer_types` and its family's
+    row (`modeling/families.py`, `Family.flops`; none for other configs). Nemotron-H has MLPs only in its `mlp`/`moe`
+    layers; the other hybrids in every layer."""
+    from .modeling.families import FAMILIES  # transformers' configs only: `flops` loads without torch
+    from .recurrent import ATTENTION_LAYER_TYPES, POSITION_WISE_LAYER_TYPES, RECURRENT_LAYER_TYPES
+
     kinds = list(getattr(config, "layer_types", None) or ())
-    spec = _RECURRENT_CONFIGS.get(getattr(config, "model_type", ""))
+    family = FAMILIES.get(getattr(config, "model_type", ""))
+    spec = None if family is None else family.flops
     if spec is None or not kinds:
         return {}
-    kind, *names = spec
-    values = [getattr(config, n) if isinstance(n, str) else n for n in names]
-    heads, groups, dk, dv, kernel, chunk = values
-    fields = dict(recurrent_layers=sum(k in ("linear_attention", "hybrid") for k in kinds), recurrent_kind=kind,
+    heads, groups, dk, dv, kernel, chunk = spec.values(config)
+    fields = dict(recurrent_layers=sum(k in RECURRENT_LAYER_TYPES for k in kinds), recurrent_kind=spec.kind,
                   recurrent_heads=heads, recurrent_groups=groups, recurrent_key_dim=dk, recurrent_value_dim=dv,
-                  conv_kernel=kernel, chunk_size=chunk,
-                  attention_layers=sum(k in ("full_attention", "sliding_attention", "hybrid") for k in kinds))
-    if config.model_type == "nemotron_h":
-        fields["mlp_layers"] = sum(k in ("mlp", "moe") for k in kinds)
+                  conv_kernel=kernel, chunk_size=chunk, attention_layers=sum(k in ATTENTION_LAYER_TYPES for k in kinds))
+    if not spec.mlp_every_layer:
+        fields["mlp_layers"] = sum(k in POSITION_WISE_LAYER_TYPES for k in kinds)
     return fields
 
 
@@ -422,8 +410,10 @@ def tree_flops(tree, shape: str | ModelShape | Any, training: bool = True) -> Fl
         shape (`str`, [`ModelShape`] or a `transformers` config): the model.
         training (`bool`, *optional*, defaults to `True`): count forward and backward.
     """
+    from .tree import as_tree  # torch-only import, kept local so that `flops` loads without torch
+
     shape = get_model_shape(shape)
-    tree = _as_tree(tree)
+    tree = as_tree(tree)
     tokens, keys, positions = _tree_counts(tree)
     return _count(shape, tokens, keys, positions, training)
 
@@ -435,14 +425,8 @@ def ideal_ratio(seqs_or_tree, shape: str | ModelShape | Any) -> float:
         seqs_or_tree (list of sequences or [`~trl_dta.PrefixTree`]): the batch.
         shape (`str`, [`ModelShape`] or a `transformers` config): the model.
     """
-    tree = _as_tree(seqs_or_tree)
+    from .tree import as_tree  # torch-only import, kept local so that `flops` loads without torch
+
+    tree = as_tree(seqs_or_tree)
     tree_total = tree_flops(tree, shape).total
     return dense_flops(tree.lengths, shape).total / tree_total if tree_total else 1.0
-
-
-def _as_tree(seqs_or_tree):
-    if hasattr(seqs_or_tree, "segments") and hasattr(seqs_or_tree, "lengths"):
-        return seqs_or_tree
-    from .tree import PrefixTree  # torch-only import, kept local so that `flops` loads without torch
-
-    return PrefixTree.from_sequences(list(seqs_or_tree))

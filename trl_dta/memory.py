@@ -30,7 +30,8 @@ from typing import Any
 
 from .engine.ops import lockstep_batches, walk_ops
 from .engine.schedule import Budgets
-from .flops import ModelShape, _as_tree, get_model_shape
+from .flops import ModelShape, get_model_shape
+from .tree import as_tree
 
 __all__ = [
     "ATTN_BACKENDS",
@@ -253,7 +254,7 @@ def peak_memory(
                               prefix_copies=rows * path * kv if copies and path else 0)
 
     best = estimate(0, 0, 0, 0, 0)
-    tree = _as_tree(tree_or_seqs)
+    tree = as_tree(tree_or_seqs)
     if hybrid:
         tree = tree.unshared(min_length=2)
     if lockstep is not None:

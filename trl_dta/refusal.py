@@ -3,7 +3,7 @@ blocker named with its fix, in one message.
 
 A model can have several features DTA does not reproduce at once (a MoE router with jitter noise, dropout, a router
 loss of an unknown family, ...). Refusing them one at a time makes a user fix, retry and meet the next; so every check
-(`models.py`: the rule tables and the probe; `trainers/support.py`: what only a trainer knows) returns [`Blocker`]s, and
+(`modeling`: the rule tables and the probe; `trainers/support.py`: what only a trainer knows) returns [`Blocker`]s, and
 one [`DTAUnsupportedError`] lists them all:
 
 ```

@@ -425,3 +425,11 @@ class PrefixTree:
             f"PrefixTree(sequences={self.n_sequences}, tokens={self.n_tokens}, tree_tokens={self.n_tree_tokens}, "
             f"compression_ratio={self.compression_ratio:.3f}, segments={self.n_segments}, depth={self.depth})"
         )
+
+
+def as_tree(seqs_or_tree) -> PrefixTree:
+    """`seqs_or_tree` as a `PrefixTree`: a tree as it is, sequences through `PrefixTree.from_sequences` (which refuses
+    anything but an ordered iterable of 1-D integer token-id sequences, naming the offending one)."""
+    if isinstance(seqs_or_tree, PrefixTree):
+        return seqs_or_tree
+    return PrefixTree.from_sequences(seqs_or_tree)

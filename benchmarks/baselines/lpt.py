@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from trl_dta._checks import check_choice, check_int
 from trl_dta.balance import CostModel, Partition
-from trl_dta.balance.cost import SortedBatch, as_tree
+from trl_dta.balance.cost import SortedBatch
 from trl_dta.balance.partition import check_group_ids, summarize
+from trl_dta.tree import as_tree
 
 __all__ = ["lpt_partition"]
 

@@ -90,12 +90,13 @@ def test_the_trace_sees_a_callback_into_the_planner():
     """A function that runs as part of a strategy module and calls the planner's `summarize` shows up as the edge
     `contiguous -> partition` (so the test above can fail)."""
     from trl_dta.balance import cost
+    from trl_dta.tree import as_tree
 
     planner = importlib.import_module("trl_dta.balance.partition")  # the module (the package exports the function)
 
     namespace = {"__name__": "trl_dta.balance.contiguous", "planner": planner, "cost": cost}
     exec("def strategy(batch):\n    return planner.summarize(batch, [[0, 1]], cost.CostModel())\n", namespace)
-    batch = cost.SortedBatch(cost.as_tree([[1, 2], [1, 3]]))
+    batch = cost.SortedBatch(as_tree([[1, 2], [1, 3]]))
     _, trace = TOOL.trace_calls(namespace["strategy"], batch)
     edges = {(_short(a), _short(b)) for a, b in trace.call_edges()}
     assert ("contiguous", PLANNER) in edges

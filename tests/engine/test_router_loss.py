@@ -19,7 +19,9 @@ from hybrid_models import MOE as HYBRID_MOE
 from moe_models import ATTN_IMPLEMENTATION, MOE_FAMILIES, MOE_WITHOUT_AUX
 from reference import compare_grads, grads_of
 from trl_dta import DTAEngine
-from trl_dta.engine.router_loss import ROUTER_LOSS_FAMILIES, LoadBalancing, router_spec
+from trl_dta.engine.router_loss import LoadBalancing
+from trl_dta.modeling.families import ROUTER_LOSS_FAMILIES
+from trl_dta.modeling.routers import router_spec
 
 # Ways the walk forwards tokens with grad: rows of small subtrees; every graph kept, segments one by one; block
 # recompute of every segment.

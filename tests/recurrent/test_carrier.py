@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from hybrid_models import HYBRID_FAMILIES, VOCAB
-from trl_dta.recurrent import RECURRENT_FAMILIES, LayerLayout, StateCarrier
+from trl_dta.modeling.families import RECURRENT_FAMILIES
+from trl_dta.recurrent import LayerLayout, StateCarrier
 from trl_dta.refusal import DTAUnsupportedError
 
 K = 4  # conv kernel

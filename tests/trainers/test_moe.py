@@ -19,7 +19,7 @@ from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 from hybrid_models import MOE as HYBRID_MOE
 from moe_models import MOE_FAMILIES
-from trl_dta.engine.router_loss import ROUTER_LOSS_FAMILIES
+from trl_dta.modeling.families import ROUTER_LOSS_FAMILIES
 from trl_dta.trainers import DTAGRPOConfig, DTAGRPOTrainer, DTARLOOConfig, DTARLOOTrainer
 
 from .conftest import DTA, EOS, PAD, Run, assert_equivalent, compare_in_precision, float64_rtol, make_args, train

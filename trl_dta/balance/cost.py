@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from .._checks import check_bool, check_float, check_int, is_int
-from ..tree import PrefixTree
+from ..tree import PrefixTree, as_tree
 
 
 @dataclass
@@ -191,14 +191,6 @@ class ForestStats:
 def tri(x):
     """`x (x + 1) / 2`: the causal attention pairs of `x` tokens (ints or integer arrays)."""
     return x * (x + 1) // 2
-
-
-def as_tree(seqs_or_tree) -> PrefixTree:
-    """`seqs_or_tree` as a `PrefixTree`: a tree as it is, sequences through `PrefixTree.from_sequences` (which refuses
-    anything but an ordered iterable of 1-D integer token-id sequences, naming the offending one)."""
-    if isinstance(seqs_or_tree, PrefixTree):
-        return seqs_or_tree
-    return PrefixTree.from_sequences(seqs_or_tree)
 
 
 class SortedBatch:

@@ -27,8 +27,9 @@ import numpy as np
 import torch
 
 from .._checks import check_bool, check_choice, check_float, check_int, is_int
+from ..tree import as_tree
 from .contiguous import contiguous_parts, equal_runs
-from .cost import CostModel, ForestStats, SortedBatch, as_tree
+from .cost import CostModel, ForestStats, SortedBatch
 from .packing import group_packing, subtree_packings
 
 

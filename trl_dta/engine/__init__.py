@@ -3,13 +3,14 @@
 One traversal serves both entry points: [`DTAEngine.logprobs`] (no grad) and [`DTAEngine.forward_backward`]
 (training). The tree (`tree.py`) stores each shared prefix once as a *segment*; the engine keeps the keys/values of
 the current root-to-segment path on a stack (`kv_stack.py`) and forwards each segment with that path as its attention
-prefix (`attention.py`), positions continuing the path.
+prefix (`modeling/attention.py`), positions continuing the path.
 
 Three execution modes, chosen per segment by the schedule (`schedule.py`) from the size budgets:
 
-- **Keep** (push, then pop): forward the segment with grad, score its positions with the LM head (`lm_head.py`),
-  push its keys/values, walk its children, then pop it: the gradients its descendants accumulated on its keys/values
-  and log-probs are injected as the incoming gradients of its kept graph (`torch.autograd.backward(outputs, grads)`).
+- **Keep** (push, then pop): forward the segment with grad, score its positions with the LM head
+  (`modeling/lm_head.py`), push its keys/values, walk its children, then pop it: the gradients its descendants
+  accumulated on its keys/values and log-probs are injected as the incoming gradients of its kept graph
+  (`torch.autograd.backward(outputs, grads)`).
 - **Block recompute** (token-wise checkpointing): a segment that would exceed `max_graph_tokens` is forwarded without
   grad in blocks of `block_size` tokens; at pop the blocks are re-forwarded with grad, last to first, each block's
   injected gradient including what later blocks sent to it.
@@ -19,7 +20,7 @@ Three execution modes, chosen per segment by the schedule (`schedule.py`) from t
 
 **Sibling batching**: the small children of a segment (the rows) are sorted by size and grouped into forwards of at
 most `max_batch_tokens` padded tokens; the path's keys/values are stored once and every row attends to them
-(two-part attention, `attention.py`). A leaf's private suffix is thus forwarded exactly once, with grad.
+(two-part attention, `modeling/attention.py`). A leaf's private suffix is thus forwarded exactly once, with grad.
 
 **Fork logits**: the last position of a segment predicts the first token of each child; the hidden state is shared,
 and the log-prob is scored once per scored child. Which positions each segment scores, and how a sequence's log-probs
@@ -43,9 +44,9 @@ blocks or walk), `ops.py` (the walk's op stream, which `memory.py` replays too),
 masks), `walk.py` (execution of the op stream), `router_loss.py` (the MoE load-balancing loss over the tree).
 """
 
-from ..models import TESTED_MODEL_TYPES
+from ..modeling.families import ROUTER_LOSS_FAMILIES, TESTED_MODEL_TYPES
 from .core import DTAEngine, DTAOutput
-from .router_loss import ROUTER_LOSS_FAMILIES, LoadBalancing
+from .router_loss import LoadBalancing
 from .walk import LossFn
 
 __all__ = ["ROUTER_LOSS_FAMILIES", "TESTED_MODEL_TYPES", "DTAEngine", "DTAOutput", "LoadBalancing", "LossFn"]

@@ -15,8 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import _checks, attention, kernels
-from ..models import check_model_support, refusal_subject, rope_kinds
+from .. import _checks, kernels
+from ..modeling import attention
+from ..modeling.routers import RouterCapture, router_spec
+from ..modeling.support import check_model_support, refusal_subject, rope_kinds
+from ..modeling.switch import attention_implementation
 from ..precision import Precision
 from ..recurrent import LayerLayout
 from ..refusal import Blocker, refuse
@@ -98,10 +101,10 @@ class DTAEngine:
             batched. `0` walks every internal segment.
         lm_head_chunk_size (`int`, *optional*, defaults to `4096`): rows projected through the LM head at once, at most
             `lm_head.MAX_TILE_LOGITS // vocab_size` (a tile holds at most 2**24 logits: 110 rows for a 152k vocabulary).
-        attn_backend (`str`, *optional*, defaults to `"auto"`): the attention kernels (`trl_dta.attention` has the
-            table). `"sdpa"`: the reference, which concatenates the path in front of every row (the path's keys and
-            values held once per row of a batched forward); `"torch"`, `"flash"`, `"triton"`: two-part attention,
-            the path stored once and attended by all rows in one call, merged with the rows' own part by
+        attn_backend (`str`, *optional*, defaults to `"auto"`): the attention kernels (`trl_dta.modeling.attention`
+            has the table). `"sdpa"`: the reference, which concatenates the path in front of every row (the path's
+            keys and values held once per row of a batched forward); `"torch"`, `"flash"`, `"triton"`: two-part
+            attention, the path stored once and attended by all rows in one call, merged with the rows' own part by
             log-sum-exp; `"auto"`: the fastest exact backend on the model's device (CPU: `"torch"`; CUDA: `"flash"`
             when flash-attn is installed, else `"torch"`). All are exact; an unavailable choice is refused here.
 
@@ -112,7 +115,7 @@ class DTAEngine:
     then runs its tree as batches of packed subtree rows, as many as every process runs (`engine/walk.py`,
     "Lockstep"; stat `idle_batches`). Exact like every schedule.
 
-    Hybrid models (recurrent layers beside attention, `trl_dta.recurrent.RECURRENT_FAMILIES`): the recurrent layers'
+    Hybrid models (recurrent layers beside attention, the hybrid rows of `modeling.FAMILIES`): the recurrent layers'
     states are carried along the tree (`engine.layout`); `max_pack_tokens` has no effect on them (a recurrence cannot
     follow a tree mask, so every internal segment is walked and only leaves are batched) and `lockstep` is refused.
 
@@ -249,11 +252,11 @@ class DTAEngine:
                           lm_head_chunk_size=self.lm_head_chunk_size)
         spec = None
         if router_loss is not None:
-            spec = routers.router_spec(lm)
+            spec = router_spec(lm)
             router_loss.check(tree.n_sequences)
         aux, counted, record = None, {}, None
-        with (_engine_call(lm, self.max_graph_tokens is not None),
-              routers.RouterCapture(lm, spec) if spec else contextlib.nullcontext() as capture):
+        with _engine_call(lm, self.max_graph_tokens is not None), \
+                (RouterCapture(lm, spec) if spec else contextlib.nullcontext()) as capture:
             backend = self._device_backend(lm)
             observer = None
             if spec is not None and loss_fn is not None:  # training: the counting pass first
@@ -377,7 +380,8 @@ def _refuse_running_call(owner: int | None) -> None:
 @contextlib.contextmanager
 def _engine_call(lm, budgeted: bool):
     """Hold `lm` for one engine call: refuse a second call on it, route its attention through DTA and suspend HF
-    gradient checkpointing (`_dta_attention`), restoring everything on exit."""
+    gradient checkpointing (`modeling.switch`; warned once unless the engine is `budgeted`: `max_graph_tokens` set),
+    restoring everything on exit."""
     key, me = id(lm), threading.get_ident()
     with _CALLS_LOCK:
         owner = _CALLS.get(key)
@@ -385,38 +389,9 @@ def _engine_call(lm, budgeted: bool):
             _CALLS[key] = me
     _refuse_running_call(owner)
     try:
-        with _dta_attention(lm, budgeted):
+        with attention_implementation(lm, attention.ATTN_IMPLEMENTATION, suspend_checkpointing=True,
+                                      warn=not budgeted):
             yield
     finally:
         with _CALLS_LOCK:
             del _CALLS[key]
-
-
-@contextlib.contextmanager
-def _dta_attention(lm, budgeted: bool):
-    """Route `lm`'s attention through the engine and suspend HF gradient checkpointing, restoring both on exit; a
-    one-time warning says so unless the engine has a memory budget (`budgeted`: `max_graph_tokens` set, e.g. by a DTA
-    trainer, whose own warning names it)."""
-    configs = {id(m.config): m.config for m in lm.modules()
-               if hasattr(getattr(m, "config", None), "_attn_implementation")}
-    configs[id(lm.config)] = lm.config
-    saved = {k: c._attn_implementation for k, c in configs.items()}
-    checkpointed = [m for m in lm.modules() if getattr(m, "gradient_checkpointing", False) is True]
-    if checkpointed and not budgeted:
-        _checks.warn_once(
-            "engine:gradient_checkpointing",
-            "DTAEngine: HF gradient checkpointing is suspended during engine calls (it drops the key/value prefix); "
-            "set `max_graph_tokens` to bound memory with the engine's own recompute instead.",
-        )
-    try:
-        for c in configs.values():
-            c._attn_implementation = attention.ATTN_IMPLEMENTATION
-        for m in checkpointed:
-            m.gradient_checkpointing = False
-        yield
-    finally:
-        for k, c in configs.items():
-            c._attn_implementation = saved[k]
-        for m in checkpointed:
-            m.gradient_checkpointing = True
-

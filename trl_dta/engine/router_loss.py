@@ -27,8 +27,7 @@ the LM head (each tree token once), which records every token's top-k counts and
 gradient accumulator per expert and micro-batch; collecting counts during the training walk is too late for the first
 backward. The pass costs one forward over the tree tokens (about a third of the forward + backward).
 
-Router logits are captured with forward hooks on the module class that the model itself records them from
-(`_can_record_outputs["router_logits"]`, transformers' `OutputRecorder`), since the engine calls the decoder itself.
+Router logits are captured with forward hooks on the routers (`modeling/routers.py`: the families, the capture).
 Precision: the probabilities are `softmax(logits)` in the dtype transformers uses (the same call under the same
 autocast), the counts, sums and weights in float32 (float64 for a float64 model).
 """
@@ -42,74 +41,14 @@ from dataclasses import dataclass
 import torch
 
 from .. import _checks
+from ..modeling.routers import RouterCapture, RouterSpec
 from ..precision import acc_dtype
 from ..refusal import TRAINER_CONFIG, Blocker, refuse
 from ..tree import PrefixTree
 
-# Families whose causal LM adds transformers' Switch-style `load_balancing_loss_func` (top-k of the softmax, layers
-# pooled, padding masked) to its outputs and whose equivalence the tests cover: model_type -> the config attribute
-# holding the number of experts (the top-k is `num_experts_per_tok` for all of them).
-ROUTER_LOSS_FAMILIES: dict[str, str] = {
-    "qwen3_moe": "num_experts",
-    "mixtral": "num_local_experts",
-    "gpt_oss": "num_local_experts",  # its router's top-k on the logits = the loss's top-k of their softmax
-    "qwen3_next": "num_experts",  # hybrids (`recurrent/`) with the same function
-    "granitemoehybrid": "num_local_experts",
-}
-
 # A router loss DTA cannot follow during a call: the subject and the fix of its refusal.
 _SUBJECT = "This model's MoE load-balancing loss"
 _FIX = {"router_aux_loss_coef": 0.0}
-
-
-@dataclass(frozen=True)
-class RouterSpec:
-    """How to read a model's routers.
-
-    Args:
-        router_class (`type`): the module class whose output holds the router logits.
-        index (`int`): the position of the logits `(n_tokens, n_experts)` in that module's output tuple.
-        n_experts (`int`), top_k (`int`): `E` and the `k` of the loss.
-    """
-
-    router_class: type
-    index: int
-    n_experts: int
-    top_k: int
-
-
-def _recorder(lm):
-    """transformers' recorder of the router logits (`_can_record_outputs["router_logits"]`) of a known family, or
-    None."""
-    recorder = (getattr(type(lm), "_can_record_outputs", None) or {}).get("router_logits")
-    known = lm.config.get_text_config().model_type in ROUTER_LOSS_FAMILIES
-    return recorder if known and hasattr(recorder, "target_class") else None
-
-
-def router_loss_blocker(lm) -> Blocker | None:
-    """Why DTA cannot reproduce the load-balancing loss of `lm` (a blocker whose fix is TRL's
-    `router_aux_loss_coef=0.0`), or None."""
-    if _recorder(lm) is not None:
-        return None
-    return Blocker("its MoE load-balancing loss, which TRL adds to the loss by default, is not one DTA reproduces "
-                   f"(transformers' `load_balancing_loss_func` of the families {sorted(ROUTER_LOSS_FAMILIES)})",
-                   settings={"router_aux_loss_coef": 0.0}, where=TRAINER_CONFIG)
-
-
-def router_spec(lm) -> RouterSpec:
-    """The [`RouterSpec`] of a causal LM whose load-balancing loss DTA reproduces, or a refusal naming the fix.
-
-    Args:
-        lm (`transformers.PreTrainedModel`): the causal LM (a PEFT model's base model).
-    """
-    blocker = router_loss_blocker(lm)
-    if blocker is not None:
-        refuse(f"{type(lm).__name__} (model type '{lm.config.get_text_config().model_type}') with its router loss",
-               [blocker])
-    config = lm.config.get_text_config()
-    recorder = _recorder(lm)
-    n_experts = int(getattr(config, ROUTER_LOSS_FAMILIES[config.model_type]))
-    return RouterSpec(recorder.target_class, recorder.index, n_experts, int(config.num_experts_per_tok))
 
 
 @dataclass
@@ -139,37 +78,6 @@ class LoadBalancing:
                     raise ValueError(f"`router_loss.groups[{m}]` names sequence {i} of {n_sequences}.")
             if not math.isfinite(float(coef)):
                 raise ValueError(f"`router_loss.coefs[{m}]` must be finite, got {coef}.")
-
-
-class RouterCapture:
-    """Records the router logits of every forward while active (a context manager).
-
-    Each forward of the decoder appends one `(batch * length, n_experts)` tensor per MoE layer, rows in
-    `(row, position)` order (the routers flatten their input); [`RouterCapture.take`] hands them over and clears.
-    """
-
-    def __init__(self, lm, spec: RouterSpec):
-        self.spec = spec
-        self.routers = [m for m in lm.modules() if isinstance(m, spec.router_class)]
-        self.logits: list[torch.Tensor] = []
-        self._handles: list = []
-
-    def _hook(self, module, args, output):
-        self.logits.append(output[self.spec.index] if isinstance(output, (tuple, list)) else output)
-
-    def __enter__(self) -> RouterCapture:
-        self._handles = [m.register_forward_hook(self._hook) for m in self.routers]
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        self.logits = []
-
-    def take(self) -> list[torch.Tensor]:
-        logits, self.logits = self.logits, []
-        return logits
 
 
 @dataclass

@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..attention import AttentionContext
 from ..kv_stack import Frame, KVStack
-from ..lm_head import HeadSpec, head_logprobs
+from ..modeling.attention import AttentionContext
+from ..modeling.lm_head import HeadSpec, head_logprobs
 from ..precision import Precision, acc_dtype, is_half
 from ..recurrent import LayerLayout, StateCarrier
 from ..refusal import Blocker, refuse
@@ -98,7 +98,7 @@ class TreeWalk:
         loss_fn (`LossFn`, *optional*): None for a no-grad call.
         temperature (`float`, *optional*, defaults to `1.0`), entropy (`bool`, *optional*, defaults to `False`): as in
             [`DTAEngine.logprobs`].
-        attn_backend (`str`, *optional*, defaults to `"sdpa"`): the attention backend (`attention.py`).
+        attn_backend (`str`, *optional*, defaults to `"sdpa"`): the attention backend (`modeling/attention.py`).
         precision (`Precision`, *optional*): the autocast of the dense forward; None: the caller's.
         router (`RouterObserver`, *optional*): MoE load-balancing loss (`router_loss.py`): called after every forward
             with its tokens' tree indices; in training, the router term it returns is back-propagated with the

@@ -12,8 +12,9 @@ query (B, H, w, D) ─┬─ node parts: for each node on the rows' paths, the q
 merge (float32, float64 for float64 inputs): lse = logaddexp over parts, out = sum_p exp(lse_p - lse) out_p
 ```
 
-Every new query sees at least its own key, so the merged log-sum-exp is finite. The parts run on the part kernels of
-`kernels.torch_parts` (aten's fused CPU kernel, which takes the key-padding mask broadcast over queries, or the
+Every new query sees at least its own key, so the merged log-sum-exp is finite. The parts run on `kernels.attend_part`
+and merge by `kernels.merge_parts` (the two-part attention's merge), on the part kernels of `kernels.torch_parts`
+(aten's fused CPU kernel, which takes the key-padding mask broadcast over queries, or the
 `math` kernel for soft-capping and masked parts on CUDA), in the dtype SDPA would compute in here
 (`precision.attention_inputs`: under autocast the autocast dtype). The new keys/values are stored in the rows' buffer
 (`PrefixCache.write`) in the dtypes the layer produced them.
@@ -23,14 +24,13 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import _IGNORED_KWARGS
+from ..kernels import attend_part, merge_parts
 from ..kernels.masks import PartMask
-from ..kernels.two_part import _fold, _pick, _unfold
+from ..modeling.attention import IGNORED_KWARGS
 from ..precision import acc_dtype, attention_inputs
 from ..refusal import Blocker, refuse
 
 ATTN_IMPLEMENTATION = "dta_generate"
-_CHAIN = ("torch", "math")
 
 
 class GenerationBatch:
@@ -58,17 +58,9 @@ class GenerationBatch:
         return f"GenerationBatch(rows={len(self.slots)}, width={self.positions.shape[1]}, nodes={len(self.nodes)})"
 
 
-def _part(query, key, value, mask: PartMask, scale, softcap):
-    """One part on the first exact kernel of `_CHAIN`: `(out (B, H, Lq, D), lse (B, H, Lq))`."""
-    out, lse, _ = _pick(_CHAIN, query, key, mask, softcap).forward(query, key, value, mask, scale, softcap)
-    return out, lse
-
-
 def _merge(out, lse, out_p, lse_p):
     """Log-sum-exp merge of a part into the running `(out, lse)` (accumulation dtype)."""
-    merged = torch.logaddexp(lse, lse_p)
-    out = torch.exp(lse - merged)[..., None] * out + torch.exp(lse_p - merged)[..., None] * out_p.to(out.dtype)
-    return out, merged
+    return merge_parts([(out, lse), (out_p, lse_p.to(lse.dtype))])
 
 
 def generation_attention(
@@ -97,7 +89,7 @@ def generation_attention(
     if dta_gen is None:
         raise RuntimeError(f"the model reached the '{ATTN_IMPLEMENTATION}' attention outside a PrefixCache forward "
                            "(use 'sdpa' or 'eager' as the model's attention implementation).")
-    unknown = {k for k, v in kwargs.items() if v is not None and k not in _IGNORED_KWARGS}
+    unknown = {k for k, v in kwargs.items() if v is not None and k not in IGNORED_KWARGS}
     if unknown or dropout:
         refuse(f"{type(module).__name__} in the generation cache", [Blocker(
             f"it passes {sorted(unknown) or 'attention dropout'} to its attention function, which the generation "
@@ -115,7 +107,7 @@ def generation_attention(
     with torch.autocast(query.device.type, enabled=False):
         new_mask = PartMask(causal=True) if window is None else \
             PartMask(causal=True, q_pos=positions, k_pos=positions, window=window)
-        out, lse = _part(query, key, value, new_mask, scale, softcap)  # (B, H, w, D), (B, H, w)
+        out, lse = attend_part(query, key, value, new_mask, scale, softcap)  # (B, H, w, D), (B, H, w)
         acc = acc_dtype(query.dtype)
         out, lse = out.to(acc), lse.to(acc)
         if own is not None:
@@ -123,8 +115,8 @@ def generation_attention(
             k_pos = batch.offsets[:, None] + torch.arange(longest, device=query.device)  # (B, K)
             own_mask = PartMask(key_length=padded) if window is None else \
                 PartMask(key_length=padded, q_pos=positions, k_pos=k_pos, window=window)
-            out, lse = _merge(out, lse, *_part(query, own_key.to(key.dtype), own_value.to(value.dtype), own_mask,
-                                               scale, softcap))
+            out, lse = _merge(out, lse, *attend_part(query, own_key.to(key.dtype), own_value.to(value.dtype), own_mask,
+                                                     scale, softcap))
         for node, rows in batch.nodes:
             q = query if rows is None else query.index_select(0, rows)  # (b, H, w, D)
             mask = PartMask()
@@ -132,9 +124,8 @@ def generation_attention(
                 q_pos = (positions if rows is None else positions.index_select(0, rows)).reshape(1, -1)
                 mask = PartMask(q_pos=q_pos, k_pos=node.start + torch.arange(node.length, device=q.device)[None],
                                 window=window)
-            out_p, lse_p = _part(_fold(q), node.keys[layer].to(key.dtype), node.values[layer].to(value.dtype), mask,
-                                 scale, softcap)  # (1, H, b * w, D), (1, H, b * w)
-            out_p, lse_p = _unfold(out_p, q.shape[0]), _unfold(lse_p, q.shape[0])
+            out_p, lse_p = attend_part(q, node.keys[layer].to(key.dtype), node.values[layer].to(value.dtype), mask,
+                                       scale, softcap, folded=True)  # (b, H, w, D), (b, H, w)
             if rows is None:
                 out, lse = _merge(out, lse, out_p, lse_p)
             else:

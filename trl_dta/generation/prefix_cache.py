@@ -78,7 +78,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._checks import check_int
-from ..models import _attention_implementation
+from ..modeling.switch import attention_implementation
 from ..refusal import Blocker, refuse
 from .attention import ATTN_IMPLEMENTATION, GenerationBatch, register
 
@@ -255,7 +255,7 @@ class PrefixCache:
         remaining = {row: n for row, n in remaining.items() if n}
         if not remaining:
             return
-        with _attention_implementation(self.model, ATTN_IMPLEMENTATION):
+        with attention_implementation(self.model, ATTN_IMPLEMENTATION):
             while remaining:
                 longest = max(remaining.values())
                 group = [row for row, n in remaining.items() if n == longest]

@@ -15,11 +15,21 @@ stored once (no expand, no concatenation), see `two_part`. What each backend run
 `torch`; CUDA: `flash` when installed, else `torch`), measured with `benchmarks/bench_attention.py`. Every backend
 is exact (GQA without repeating the path, sliding windows, soft-capping, attention sinks, padding); `math` is the
 plain-PyTorch part kernel (one part's scores materialised transiently, the path still stored once). Sinks enter at
-the merge (`two_part`), so every part kernel serves them unchanged.
+the merge (`two_part`), so every part kernel serves them unchanged. `merge_parts` (the log-sum-exp merge) and
+`attend_part` (one part, rows optionally folded over shared keys) are what the generation cache's attention builds on.
 """
 
 from .masks import PartMask, key_end_from_row_mask
-from .two_part import AUTO, BACKENDS, available_backends, part_kernels, resolve_backend, two_part_attention
+from .two_part import (
+    AUTO,
+    BACKENDS,
+    attend_part,
+    available_backends,
+    merge_parts,
+    part_kernels,
+    resolve_backend,
+    two_part_attention,
+)
 
-__all__ = ["AUTO", "BACKENDS", "PartMask", "available_backends", "key_end_from_row_mask", "part_kernels",
-           "resolve_backend", "two_part_attention"]
+__all__ = ["AUTO", "BACKENDS", "PartMask", "attend_part", "available_backends", "key_end_from_row_mask", "merge_parts",
+           "part_kernels", "resolve_backend", "two_part_attention"]

@@ -128,16 +128,10 @@ def two_part_forward(query, path_key, path_value, key, value, sinks, plan: _Plan
         out_p, lse_p, aux_p = plan.path_kernel.forward(_fold(query), path_key, path_value, plan.path_mask, plan.scale,
                                                        plan.softcap)  # (1, H, B * L, D), (1, H, B * L)
         parts.append((_unfold(out_p, batch), _unfold(lse_p, batch).to(acc)))
-    lse = lse_r if len(parts) == 1 else torch.logaddexp(parts[0][1], parts[1][1])  # finite: a query sees its own key
-    lse = _sink_lse(lse, sinks)
     # (B, H, L, D) over (B, L, H, D) storage: the layout transformers wants next, and `_fold` of it is a view.
     out = torch.empty(batch, query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype,
                       device=query.device).transpose(1, 2)
-    weighted = [torch.exp(part_lse - lse)[..., None] * part_out.to(acc) for part_out, part_lse in parts]
-    if len(weighted) == 1:
-        out.copy_(weighted[0])
-    else:
-        torch.add(weighted[1], weighted[0], out=out)
+    out, lse = merge_parts(parts, sinks=sinks, out=out)  # lse finite: a query sees its own key
     return out, lse, (aux_p, aux_r)
 
 
@@ -160,6 +154,63 @@ def two_part_backward(grad_out, query, path_key, path_value, key, value, sinks, 
         plan.scale, plan.softcap)  # (1, H, B * L, D), (1, H_kv, P, D) summed over rows
     grad_query = grad_query + _unfold(grad_fold, query.shape[0])
     return grad_query, grad_path_key, grad_path_value, grad_key, grad_value, grad_sinks
+
+
+def merge_parts(parts: list[tuple[torch.Tensor, torch.Tensor]], sinks: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-sum-exp merge of attention parts over disjoint key sets of the same queries:
+    `lse = logaddexp_p(lse_p)` (plus the sinks), `out = sum_p exp(lse_p - lse) out_p`.
+
+    Args:
+        parts (`list[tuple[Tensor, Tensor]]`): each part's `(out_p (batch, n_heads, length, head_dim), lse_p (batch,
+            n_heads, length))`, every `lse_p` in the accumulation dtype (`precision.acc_dtype` of the queries), which
+            the merge computes in.
+        sinks (`torch.Tensor` of shape `(n_heads,)`, *optional*): attention sinks, added to the denominator.
+        out (`torch.Tensor`, *optional*): where to write the merged output (in its own dtype and layout); None: a new
+            tensor in the accumulation dtype.
+
+    Returns:
+        `(out, lse)`: the merged output and log-sum-exp.
+    """
+    lse = parts[0][1]
+    for _, part_lse in parts[1:]:
+        lse = torch.logaddexp(lse, part_lse)
+    lse = _sink_lse(lse, sinks)
+    weighted = [torch.exp(part_lse - lse)[..., None] * part_out.to(lse.dtype) for part_out, part_lse in parts]
+    merged = weighted[0]
+    for term in weighted[1:-1]:
+        merged = merged + term
+    if out is None:
+        return (merged if len(weighted) == 1 else merged + weighted[-1]), lse
+    if len(weighted) == 1:
+        out.copy_(merged)
+    else:
+        torch.add(weighted[-1], merged, out=out)
+    return out, lse
+
+
+def attend_part(query, key, value, mask: PartMask, scale: float, softcap: float | None = None, *,
+                backend: str = "torch", folded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One attention part on the first exact kernel of `backend`'s chain (no autograd: generation, the probe).
+
+    Args:
+        query (`torch.Tensor` of shape `(batch, n_heads, length, head_dim)`): the queries.
+        key, value (`torch.Tensor` of shape `(batch, n_kv_heads, n_keys, head_dim)`): the part's keys/values; with
+            `folded`, `(1, n_kv_heads, n_keys, head_dim)`: keys every row sees (a shared prefix), the rows' queries
+            folded into one sequence over them (`mask` then indexes the folded queries, `batch * length` of them).
+        mask (`PartMask`): the part's mask.
+        scale (`float`), softcap (`float`, *optional*): the score scale and soft-capping.
+        backend (`str`, *optional*, defaults to `"torch"`): a two-part backend (`"torch"`, `"flash"`, `"triton"`).
+
+    Returns:
+        `(out (batch, n_heads, length, head_dim), lse (batch, n_heads, length))` in the kernel's dtypes.
+    """
+    chain = _CHAINS[backend]
+    if folded:
+        batch = query.shape[0]
+        query = _fold(query)
+    out, lse, _ = _pick(chain, query, key, mask, softcap).forward(query, key, value, mask, scale, softcap)
+    return (_unfold(out, batch), _unfold(lse, batch)) if folded else (out, lse)
 
 
 class _TwoPartAttention(torch.autograd.Function):

@@ -16,11 +16,12 @@ graph once at pop. The model's own layer code runs unchanged; [`StateCarrier`] i
 states from and writes its new ones to. What packed tree-masked rows cannot express (a recurrence over a tree), the
 schedule does not ask for: hybrid models walk segment by segment and batch only leaves (`engine/core.py`).
 
-Modules: `layout.py` (which layer is attention, recurrent or neither; the supported families), `carrier.py` (the
+Modules: `layout.py` (which layer is attention, recurrent or neither), `carrier.py` (the
 cache-shaped state carrier).
 """
 
 from .carrier import StateCarrier
-from .layout import ATTENTION_LAYER_TYPES, RECURRENT_FAMILIES, RECURRENT_LAYER_TYPES, LayerLayout
+from .layout import ATTENTION_LAYER_TYPES, LAYER_MIXERS, POSITION_WISE_LAYER_TYPES, RECURRENT_LAYER_TYPES, LayerLayout
 
-__all__ = ["ATTENTION_LAYER_TYPES", "RECURRENT_FAMILIES", "RECURRENT_LAYER_TYPES", "LayerLayout", "StateCarrier"]
+__all__ = ["ATTENTION_LAYER_TYPES", "LAYER_MIXERS", "POSITION_WISE_LAYER_TYPES", "RECURRENT_LAYER_TYPES", "LayerLayout",
+           "StateCarrier"]

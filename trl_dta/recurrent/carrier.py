@@ -24,7 +24,7 @@ backward:  dL/dS_p = dS_p(c1) + dS_p(c2)   (summed on the sink)  ->  injected in
 ```
 
 The attention layers of the same model also call `cache.update(key, value, layer)`: the carrier returns the new
-tokens' keys/values unchanged, because the DTA attention (`attention.py`) adds the path's keys/values itself.
+tokens' keys/values unchanged, because the DTA attention (`modeling/attention.py`) adds the path's keys/values itself.
 
 Conv state: the last `k - 1` inputs of the path's convolution, `(1, channels, k - 1)`, zeros standing for tokens before
 the first (exactly what the convolution's own zero padding means), so a segment shorter than the kernel hands its

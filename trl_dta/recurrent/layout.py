@@ -10,30 +10,31 @@ transformers names each layer's kind in `config.layer_types`; the kinds the engi
 | `hybrid`                               | yes       | yes             | Falcon-H1 (attention and Mamba2 side by side)  |
 | `mlp`, `moe`                           |           |                 | Nemotron-H's position-wise blocks              |
 
-A model without `layer_types` is all attention. [`RECURRENT_FAMILIES`] lists the model types whose recurrent layers
+A model without `layer_types` is all attention. [`LAYER_MIXERS`] spells the table once; which families' recurrent layers
 take their states from the cache object of the forward (`cache.get_conv_state` / `get_recurrent_state` /
-`update_conv_state` / `update_recurrent_state`, the seam [`StateCarrier`] fills) and whose equivalence the tests
-cover; a recurrent layer of any other family stays refused (`models.py`).
+`update_conv_state` / `update_recurrent_state`, the seam [`StateCarrier`] fills) is a column of the family table
+(`modeling/families.py`, `Family.recurrent`); a recurrent layer of any other family stays refused
+(`modeling/support.py`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Layer types whose token mixer is softmax attention through transformers' AttentionInterface, and those whose token
-# mixer carries a recurrent (convolution + state-space / delta-rule) state.
-ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "hybrid"})
-RECURRENT_LAYER_TYPES = frozenset({"linear_attention", "hybrid"})
-
-# model_type -> the recurrent token mixer of the family (for messages and the README's table).
-RECURRENT_FAMILIES: dict[str, str] = {
-    "qwen3_5_text": "Gated DeltaNet",
-    "qwen3_next": "Gated DeltaNet",
-    "nemotron_h": "Mamba2",
-    "granitemoehybrid": "Mamba2",
-    "bamba": "Mamba2",
-    "falcon_h1": "Mamba2 (beside attention in every layer)",
+# `layer_types` entry -> the token mixers of its layers: "attention" (softmax attention through transformers'
+# AttentionInterface), "recurrent" (a convolution + state-space / delta-rule state, read and written through the cache);
+# neither for position-wise MLP/MoE blocks. An entry outside the table is a token mixer DTA does not know.
+LAYER_MIXERS: dict[str, frozenset[str]] = {
+    "full_attention": frozenset({"attention"}),
+    "sliding_attention": frozenset({"attention"}),
+    "linear_attention": frozenset({"recurrent"}),
+    "hybrid": frozenset({"attention", "recurrent"}),
+    "mlp": frozenset(),
+    "moe": frozenset(),
 }
+ATTENTION_LAYER_TYPES = frozenset(kind for kind, mixers in LAYER_MIXERS.items() if "attention" in mixers)
+RECURRENT_LAYER_TYPES = frozenset(kind for kind, mixers in LAYER_MIXERS.items() if "recurrent" in mixers)
+POSITION_WISE_LAYER_TYPES = frozenset(kind for kind, mixers in LAYER_MIXERS.items() if not mixers)
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,7 @@ class DTAArguments:
             "on CPU; 'flash' on CUDA when flash-attn is installed, else 'torch'), 'torch', 'flash', 'triton' (the "
             "prompt's keys/values stored once and attended by all its completions in one call) or 'sdpa' (the "
             "reference: the prompt's keys/values copied once per completion of a batched forward). All are exact; "
-            "see `trl_dta.attention` for what each supports."
+            "see `trl_dta.modeling.attention` for what each supports."
         },
     )
 

@@ -1,5 +1,5 @@
 """What a DTA trainer refuses at construction, in one message (`refusal.py`): the model's own blockers (the engine's
-rules and probe, `models.py`) and those only a trainer knows: TRL's MoE router loss for a family DTA does not reproduce,
+rules and probe, `modeling`) and those only a trainer knows: TRL's MoE router loss for a family DTA does not reproduce,
 dropout rates before TRL calls `model.train()`, prompt-learning adapters, vision-language models.
 
 Trainer-argument blockers (`config.check_trainer_args`: fp16, Liger, fused optimizers) are refused earlier, before the
@@ -14,8 +14,9 @@ from collections.abc import Callable
 from accelerate.utils import is_peft_model
 
 from .._checks import dropout_blockers
-from ..engine.router_loss import router_loss_blocker
-from ..models import TESTED_MODEL_TYPES, refusal_subject, refusal_tail
+from ..modeling.families import TESTED_MODEL_TYPES
+from ..modeling.routers import router_loss_blocker
+from ..modeling.support import refusal_subject, refusal_tail
 from ..refusal import TRAINER_ALTERNATIVE, TRAINER_CONFIG, Blocker, DTAUnsupportedError, refuse
 
 _DISABLE_DROPOUT = Blocker("", settings={"disable_dropout": True}, where=TRAINER_CONFIG)

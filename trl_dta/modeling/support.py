@@ -5,7 +5,7 @@ through the forward's keyword arguments (`dta_ctx=...`, see `attention.py`). A d
 exactly when
 
 1. every layer mixes tokens only in a call of transformers' `AttentionInterface` (no recurrent, convolution or linear
-   attention state, no attention code of its own), or, in the hybrid families of `recurrent.RECURRENT_FAMILIES`, in
+   attention state, no attention code of its own), or, in the hybrid families (`families.py`, `Family.recurrent`), in
    recurrent layers that take their states from the forward's cache (`recurrent/carrier.py`),
 2. its decoder layers hand the forward's keyword arguments on to that call,
 3. that attention is causal softmax attention over post-RoPE keys/values, optionally windowed, soft-capped or with
@@ -15,18 +15,23 @@ exactly when
 [`model_blockers`] finds every reason a model fails this in two steps, and [`check_model_support`] refuses it with one
 message that names each, with its fix (`refusal.py`), the dense alternative and the tested families:
 
-- **Rules**, dispatch tables of what is known not to hold: families by model type (ALiBi models), configurations by
-  their layer types (state-space and linear-attention layers outside the hybrid families, chunked-attention
-  layers) and logit scalings of unknown meaning; and training features a four-token probe cannot see: MoE
-  routers with random noise or capacity limits, dynamic RoPE.
+- **Rules**, of what is known not to hold: families by their row of `families.FAMILIES` (ALiBi models),
+  configurations by their layer types (state-space and linear-attention layers outside the hybrid families,
+  chunked-attention layers) and logit scalings of unknown meaning; and training features a four-token probe cannot
+  see: MoE routers with random noise or capacity limits, dynamic RoPE.
 - **Probe**: the real model on four tokens, once densely and once through DTA as a one-token prefix plus a
   three-token continuation, compared on the log-probs and entropies of the three next tokens. A failure inside
   transformers, a layer that never reaches the DTA attention (1, 2) or a different result (3, 4) becomes a blocker.
-  It costs three forwards of at most four tokens and leaves the model as it was (attention implementation, training
-  mode, gradients). Both sides run in the precision the engine's calls will run in ([`Precision`]: accelerate's
+  Both sides run in the precision the engine's calls will run in ([`Precision`]: accelerate's
   autocast wrapper of the model's forward, or the caller's autocast), and the gap is judged with the tolerance of
-  that precision; a refusal names the precision and the measured gap. It is skipped when a rule about the attention
-  or the logits already refuses the model (its finding would only restate that rule).
+  that precision. A gap beyond it is judged against the model's own precision: transformers' recurrent layers compute
+  in float32 inside a float64 model, so the dense path disagrees with itself at that level too. The model decodes the
+  same tokens densely, one at a time over its own cache, and DTA passes within `OWN_GAP_MULTIPLE` (10) times that
+  disagreement, at most the float32 tolerance (a wrong model, a position bias or bidirectional attention, misses by
+  far more). A refusal names the precision, the measured gap and the model's own. The probe costs three forwards of
+  at most four tokens (three more of one token when the gap exceeds the dtype's tolerance) and leaves the model as it
+  was (attention implementation, training mode, gradients). It is skipped when a rule about the attention or the
+  logits already refuses the model (its finding would only restate that rule).
 
 ```
 dense:   t0 t1 t2 t3                  -> log p(t1 | t0), log p(t2 | t0 t1), log p(t3 | t0 t1 t2)
@@ -38,52 +43,35 @@ DTA:     t0          (push its K/V)
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable
 
 import torch
 
-from . import _checks, attention
-from .kv_stack import Frame, KVStack
+from .. import _checks
+from ..kv_stack import Frame, KVStack
+from ..precision import Precision, is_half
+from ..recurrent import LAYER_MIXERS, LayerLayout, StateCarrier
+from ..refusal import DENSE_ALTERNATIVE, MODEL_CONFIG, Blocker, DTAUnsupportedError, refuse  # noqa: F401 (re-exported)
+from . import attention, families
 from .lm_head import HeadSpec, head_logprobs, unknown_logit_scaling
-from .precision import Precision, is_half
-from .recurrent import RECURRENT_FAMILIES, RECURRENT_LAYER_TYPES, LayerLayout, StateCarrier
-from .refusal import DENSE_ALTERNATIVE, MODEL_CONFIG, Blocker, DTAUnsupportedError, refuse  # noqa: F401 (re-exported)
+from .switch import attention_implementation
 
-# Model families whose equivalence with the dense per-sequence computation the test suite covers (tests/test_models.py
-# and tests/test_engine.py). Other families that pass the probe run with a one-time warning.
-TESTED_MODEL_TYPES = frozenset({
-    "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "gemma3", "phi3", "granite", "olmo", "gpt_neox",
-    "gpt2", "cohere", "minicpm3", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss",
-    *RECURRENT_FAMILIES,  # the hybrids (tests/recurrent/)
-})
-
-# Layer types (`config.layer_types`) that are softmax attention over every earlier token or a window of them.
-_ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
-# Layer types that mix no tokens (position-wise MLP and mixture-of-experts blocks, e.g. Nemotron-H's "mlp" and "moe"):
-# DTA runs them as they are, so a refusal never names them.
-_POSITION_WISE_LAYER_TYPES = frozenset({"mlp", "moe"})
-_ALIBI = Blocker("it adds ALiBi biases to the attention scores in its own attention code; DTA's attention has no "
-                 "position bias")
-
-# model_type -> the blocker of this configuration of the family, or None.
-_FAMILY_RULES: dict[str, Callable[[object], Blocker | None]] = {
-    "bloom": lambda config: _ALIBI,
-    "mpt": lambda config: _ALIBI if config.attn_config.alibi else None,
-    "falcon": lambda config: _ALIBI if config.alibi else None,
-}
+_MIXERS_RUN = frozenset({"attention"})  # the token mixers DTA runs in every family; hybrids' rows add "recurrent"
 
 
 def _layer_types(config) -> Blocker | None:
+    recurrent = families.family_of(config).recurrent  # hybrids whose recurrent layers walk the tree with their states
+    runs = _MIXERS_RUN | ({"recurrent"} if recurrent else set())
     kinds = set(getattr(config, "layer_types", None) or ())
-    if config.model_type in RECURRENT_FAMILIES:  # hybrids whose recurrent layers walk the tree with their states
-        kinds -= RECURRENT_LAYER_TYPES
-    other = sorted(kinds - _ATTENTION_LAYER_TYPES - _POSITION_WISE_LAYER_TYPES)
+    other = sorted(kind for kind in kinds if kind not in LAYER_MIXERS or not LAYER_MIXERS[kind] <= runs)
     if other:
+        attention_only = sorted(kind for kind, mixers in LAYER_MIXERS.items() if mixers == _MIXERS_RUN)
         return Blocker(
             f"it has {other} layers (a token mixer with a state of its own: state-space, linear or otherwise "
-            f"non-softmax attention); DTA runs softmax attention layers ({sorted(_ATTENTION_LAYER_TYPES)}), whose "
+            f"non-softmax attention); DTA runs softmax attention layers ({attention_only}), whose "
             "whole state is the path's keys/values, position-wise MLP/MoE layers, and the recurrent layers of the "
-            f"hybrid families {sorted(RECURRENT_FAMILIES)}"
+            f"hybrid families {families.model_types('recurrent')}"
         )
     return None
 
@@ -198,23 +186,6 @@ def _eval_mode(lm):
             m.training = training
 
 
-@contextlib.contextmanager
-def _attention_implementation(lm, name: str):
-    """Route the attention of `lm` and every sub-model through the implementation registered as `name`, restoring
-    each config's implementation on exit."""
-    configs = {id(m.config): m.config for m in lm.modules()
-               if hasattr(getattr(m, "config", None), "_attn_implementation")}
-    configs[id(lm.config)] = lm.config
-    saved = {k: c._attn_implementation for k, c in configs.items()}
-    try:
-        for c in configs.values():
-            c._attn_implementation = name
-        yield
-    finally:
-        for k, c in configs.items():
-            c._attn_implementation = saved[k]
-
-
 def _tolerance(dtype: torch.dtype, device: torch.device) -> float:
     """Relative tolerance of the probe's comparison for matmuls computed in `dtype` (the autocast dtype under
     autocast): far above the rounding of a four-token forward in that precision, far below the error of a model DTA
@@ -224,6 +195,48 @@ def _tolerance(dtype: torch.dtype, device: torch.device) -> float:
     if dtype == torch.float32 and (device.type != "cuda" or torch.get_float32_matmul_precision() == "highest"):
         return 1e-4
     return 5e-2
+
+
+# How many times the dense path's own disagreement (its forward of the four tokens against its own cached decoding of
+# them, token by token) the probe accepts. A correct model's prefix + continuation through DTA rounds like its own
+# cached decoding (float32 inside a float64 model's recurrent layers: about 1e-7 either way); 10x leaves room for
+# rounding in another order. A wrong model (a position bias, bidirectional attention) misses by orders more.
+OWN_GAP_MULTIPLE = 10.0
+
+
+def _judged_tolerance(dtype: torch.dtype, device: torch.device, own_gap: float) -> float:
+    """The probe's tolerance: [`OWN_GAP_MULTIPLE`] times the dense path's own gap, at least the tolerance of `dtype`
+    (the floor) and at most that of float32 (a transformers layer computes parts of itself in float32 whatever the
+    model's dtype, never coarser), so that a model whose dense path disagrees with itself by more (bidirectional
+    attention: its cached decoding differs too) is still judged by float32 rounding."""
+    floor = _tolerance(dtype, device)
+    return max(floor, min(OWN_GAP_MULTIPLE * own_gap, _tolerance(torch.float32, device)))
+
+
+def _dense_decode(lm, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+    """The dense logits `(3, vocab)` of the probe's first three tokens decoded one at a time, each continuing the
+    model's own cache (its recurrent layers' step form, its attention over cached keys/values). None when the model
+    keeps no cache of its own."""
+    name = "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
+    cache, logits = None, []
+    try:
+        for i in range(3):
+            past = {} if cache is None else {name: cache}
+            out = lm(input_ids=ids[:, i:i + 1], position_ids=positions[:, i:i + 1], use_cache=True, **past)
+            cache = getattr(out, name, None)
+            if cache is None:
+                return None
+            logits.append(out.logits[0])  # (1, vocab)
+    except Exception:  # no cache it can continue: the dtype's tolerance alone judges the model
+        return None
+    return torch.cat(logits)  # (3, vocab)
+
+
+def _log_probs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(log p(targets) (3,), entropy (3,))` of dense logits `(3, vocab)`, float32 for half precision."""
+    logits = logits.float() if is_half(logits.dtype) else logits
+    log_p = logits.log_softmax(-1)
+    return log_p.gather(-1, targets[:, None]).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
 
 
 def _probe_forward(backbone, ids: torch.Tensor, positions: torch.Tensor, stack: KVStack, layout: LayerLayout):
@@ -277,7 +290,7 @@ def _probe(lm, head: HeadSpec, layout: LayerLayout, precision: Precision) -> Non
     targets = ids[0, 1:]  # (3,)
     with torch.no_grad(), _eval_mode(lm), precision.forward():
         logits = lm(input_ids=ids, position_ids=positions, use_cache=False).logits[0, :-1]  # (3, vocab)
-        with _attention_implementation(lm, _register_probe()):
+        with attention_implementation(lm, _register_probe()):
             backbone = lm.get_decoder()
             stack = KVStack(layout.n_layers)
             first, kv, states = _probe_forward(backbone, ids[:, :1], positions[:, :1], stack, layout)
@@ -286,18 +299,24 @@ def _probe(lm, head: HeadSpec, layout: LayerLayout, precision: Precision) -> Non
             rest, _, _ = _probe_forward(backbone, ids[:, 1:], positions[:, 1:], stack, layout)
         hidden = torch.cat([first, rest], dim=1)[0, :-1]  # (3, hidden)
         logps, entropy = head_logprobs(head, hidden, targets, entropy=True)  # (3,), (3,)
-    logits = logits.float() if is_half(logits.dtype) else logits
-    log_p = logits.log_softmax(-1)
-    want_lp = log_p.gather(-1, targets[:, None]).squeeze(-1)
-    want_ent = -(log_p.exp() * log_p).sum(-1)
-    scale = max(1.0, want_lp.abs().max().item(), want_ent.abs().max().item())
-    err = max((logps - want_lp).abs().max().item(), (entropy - want_ent).abs().max().item()) / scale
-    tolerance = _tolerance(precision.compute_dtype(lm.dtype), device)
+        want_lp, want_ent = _log_probs(logits, targets)
+        scale = max(1.0, want_lp.abs().max().item(), want_ent.abs().max().item())
+
+        def gap(lp: torch.Tensor, ent: torch.Tensor) -> float:
+            return max((lp - want_lp).abs().max().item(), (ent - want_ent).abs().max().item()) / scale
+
+        err, own = gap(logps, entropy), None
+        tolerance = _tolerance(precision.compute_dtype(lm.dtype), device)
+        if not err <= tolerance:  # beyond the dtype's rounding: measure the model's own precision on the same tokens
+            decoded = _dense_decode(lm, ids, positions)  # (3, vocab) or None
+            own = 0.0 if decoded is None else gap(*_log_probs(decoded, targets))
+            tolerance = _judged_tolerance(precision.compute_dtype(lm.dtype), device, own)
     if not err <= tolerance:
         raise _ProbeFailure(
             f"a one-token prefix and its continuation through DTA give other log-probs than the dense forward of the "
             f"same tokens, both computed in {precision.describe(lm.dtype)}: relative difference {err:.2g}, more than "
-            f"the {tolerance:g} that rounding in that precision explains. Its outputs depend on something DTA does not "
+            f"the {tolerance:g} that rounding in that precision explains (the dense forward differs from its own "
+            f"cached decoding by {own:.2g}). Its outputs depend on something DTA does not "
             "reproduce (a position bias or mask of its own, bidirectional attention, or a logit post-processing DTA "
             "does not apply)"
         )
@@ -307,7 +326,7 @@ def model_blockers(lm, precision: Precision) -> list[Blocker]:
     """Every blocker of `lm` that the rules and the probe find (empty: DTA runs it), in a stable order: the family's
     and the attention's rules, the probe (unless those refused), then the features the probe cannot see."""
     config = lm.config.get_text_config()
-    family_rule = _FAMILY_RULES.get(config.model_type)
+    family_rule = families.family_of(config).rule
     mixer = [rule(config) for rule in ((family_rule,) if family_rule is not None else ()) + _MIXER_RULES]
     blockers = [b for b in mixer if b is not None]
     if not blockers:
@@ -329,15 +348,15 @@ def refusal_subject(lm) -> str:
 
 def refusal_tail() -> str:
     """The refusal's closing sentence: the families the tests cover."""
-    return f"Model types tested with DTA: {', '.join(sorted(TESTED_MODEL_TYPES))}."
+    return f"Model types tested with DTA: {', '.join(families.model_types('tested'))}."
 
 
 def check_model_support(lm, precision: Precision | None = None) -> None:
     """Refuse, before any forward of the user's, a causal LM that runs densely but not through DTA.
 
     Applies the rules, then the probe (see the module docstring), and refuses with one message naming every blocker
-    found and its fix ([`refusal.DTAUnsupportedError`]). Model types outside [`TESTED_MODEL_TYPES`] that pass get a
-    one-time warning.
+    found and its fix ([`refusal.DTAUnsupportedError`]). Model types without a tested row in the family table
+    (`families.FAMILIES`) that pass get a one-time warning.
 
     Args:
         lm (`transformers.PreTrainedModel`): the causal LM (a PEFT model's base model, adapters active).
@@ -355,12 +374,12 @@ def check_model_support(lm, precision: Precision | None = None) -> None:
 
 
 def warn_untested(lm) -> None:
-    """The one-time warning for a model type outside [`TESTED_MODEL_TYPES`] that passed the checks."""
+    """The one-time warning for a model type without a tested row in `families.FAMILIES` that passed the checks."""
     model_type = lm.config.get_text_config().model_type
-    if model_type not in TESTED_MODEL_TYPES:
+    if not families.family_of(lm.config.get_text_config()).tested:
         _checks.warn_once(
             f"models:untested:{model_type}",
             f"DTA: model type '{model_type}' is not among the tested families "
-            f"({', '.join(sorted(TESTED_MODEL_TYPES))}); it passed the construction probe (four tokens as a prefix and "
-            "its continuation, checked against its dense forward).",
+            f"({', '.join(families.model_types('tested'))}); it passed the construction probe (four tokens as a prefix "
+            "and its continuation, checked against its dense forward).",
         )

@@ -25,42 +25,25 @@ derives the bound).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .precision import acc_dtype, head_compute_dtype, is_half
-from .refusal import Blocker, refuse
+from ..precision import acc_dtype, head_compute_dtype, is_half
+from ..refusal import Blocker, refuse
+from .families import family_of, model_types
 
-
-def _times(field: str) -> Callable[[object], float]:
-    return lambda config: float(getattr(config, field))
-
-
-def _divided_by(field: str) -> Callable[[object], float]:
-    return lambda config: 1.0 / float(getattr(config, field))
-
-
-# The factor each family's `*ForCausalLM.forward` applies to the head's output, before any soft-capping. The same
-# config field means different things in different families (Granite divides the logits by `logits_scaling`,
-# HyperCLOVAX multiplies them by it, MiniCPM3 divides the hidden states, which is the same for its bias-free head), so
-# the table is keyed by model type; a family not listed here whose config sets one of `_SCALING_FIELDS` is refused.
-_LOGIT_MULTIPLIERS: dict[str, Callable[[object], float]] = {
-    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe"), _times("logit_scale")),
-    **dict.fromkeys(("granite", "granitemoe", "granitemoeshared", "granite_swa", "granitemoe_swa", "minicpm3"),
-                    _divided_by("logits_scaling")),
-    "hyperclovax": _times("logits_scaling"),
-}
+# Config fields that scale the logits in some family. What a field means differs between families, so a family's
+# factor is its row's `logit_multiplier` (`families.py`); a family without one whose config sets a field is refused.
 _SCALING_FIELDS = ("logit_scale", "logits_scaling", "lm_head_multiplier", "output_multiplier")
 
 
 def unknown_logit_scaling(config) -> str | None:
-    """The field of a text config that scales the logits in a way `_LOGIT_MULTIPLIERS` does not know for its model
-    type, or None."""
-    if config.model_type in _LOGIT_MULTIPLIERS:
+    """The field of a text config that scales the logits in a way the family table does not know for its model type
+    (no `logit_multiplier` in its row), or None."""
+    if family_of(config).logit_multiplier is not None:
         return None
     return next((f for f in _SCALING_FIELDS if getattr(config, f, None) not in (None, 1, 1.0)), None)
 
@@ -107,8 +90,8 @@ class HeadSpec:
         if field is not None:
             refuse(f"{type(model).__name__} (model type '{config.model_type}')", [Blocker(
                 f"it scales its logits with `{field}`, whose meaning DTA knows only for the model types "
-                f"{sorted(_LOGIT_MULTIPLIERS)}")])
-        multiplier = _LOGIT_MULTIPLIERS.get(config.model_type)
+                f"{model_types('logit_multiplier')}")])
+        multiplier = family_of(config).logit_multiplier
         scale = 1.0 if multiplier is None else multiplier(config)
         return cls(model.get_output_embeddings(), scale, getattr(config, "final_logit_softcapping", None))
 

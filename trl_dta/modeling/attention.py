@@ -44,15 +44,15 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import two_part_attention
-from .kv_stack import KVStack
-from .precision import attention_inputs
-from .refusal import Blocker, refuse
+from ..kernels import two_part_attention
+from ..kv_stack import KVStack
+from ..precision import attention_inputs
+from ..refusal import Blocker, refuse
 
 ATTN_IMPLEMENTATION = "dta"
 
 # Keyword arguments the models pass to the attention function that do not change the attention itself.
-_IGNORED_KWARGS = frozenset(
+IGNORED_KWARGS = frozenset(
     {"position_ids", "use_cache", "cache_position", "output_attentions", "is_causal", "layer_idx", "cache"}
 )
 
@@ -134,7 +134,7 @@ def dta_attention(
         blockers.append(Blocker(
             f"attention dropout ({dropout}) is active: DTA cannot reproduce random dropout masks of the dense path",
             fix="call `model.eval()`, or set `attention_dropout=0.0` in the model config"))
-    unknown = {k for k, v in kwargs.items() if v is not None and k not in _IGNORED_KWARGS}
+    unknown = {k for k, v in kwargs.items() if v is not None and k not in IGNORED_KWARGS}
     if unknown:
         blockers.append(Blocker(f"its attention layers pass {sorted(unknown)} to the attention function, which DTA "
                                 "does not implement"))
