@@ -28,7 +28,9 @@ message that names each, with its fix (`refusal.py`), the dense alternative and 
   in float32 inside a float64 model, so the dense path disagrees with itself at that level too. The model decodes the
   same tokens densely, one at a time over its own cache, and DTA passes within `OWN_GAP_MULTIPLE` (10) times that
   disagreement, at most the float32 tolerance (a wrong model, a position bias or bidirectional attention, misses by
-  far more). A refusal names the precision, the measured gap and the model's own. The probe costs three forwards of
+  far more), or within the tolerance of the dtype its recurrent layers hand on their states in, when coarser than the
+  model's (float32 states in a float64 model: transformers 5.25's cached decoding agrees with its own forward
+  exactly, so only the states' dtype shows that precision). A refusal names the precision, the measured gap and the model's own. The probe costs three forwards of
   at most four tokens (three more of one token when the gap exceeds the dtype's tolerance) and leaves the model as it
   was (attention implementation, training mode, gradients). It is skipped when a rule about the attention or the
   logits already refuses the model (its finding would only restate that rule).
@@ -213,6 +215,15 @@ def _judged_tolerance(dtype: torch.dtype, device: torch.device, own_gap: float) 
     return max(floor, min(OWN_GAP_MULTIPLE * own_gap, _tolerance(torch.float32, device)))
 
 
+def _carried_dtype(states) -> torch.dtype | None:
+    """The least precise dtype of the states a hybrid's recurrent layers handed on after the probe's first token
+    (transformers' Mamba2 and Gated DeltaNet layers keep float32 states in a float64 model: what follows them on the
+    path is computed from float32 values, whatever the model's dtype), or None (no states; attention-only models)."""
+    dtypes = [t.dtype for layer in (states or ()) if layer is not None for t in layer
+              if t is not None and t.is_floating_point()]
+    return max(dtypes, key=lambda d: torch.finfo(d).eps, default=None)
+
+
 def _dense_decode(lm, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
     """The dense logits `(3, vocab)` of the probe's first three tokens decoded one at a time, each continuing the
     model's own cache (its recurrent layers' step form, its attention over cached keys/values). None when the model
@@ -311,6 +322,9 @@ def _probe(lm, head: HeadSpec, layout: LayerLayout, precision: Precision) -> Non
             decoded = _dense_decode(lm, ids, positions)  # (3, vocab) or None
             own = 0.0 if decoded is None else gap(*_log_probs(decoded, targets))
             tolerance = _judged_tolerance(precision.compute_dtype(lm.dtype), device, own)
+            carried = _carried_dtype(states)  # a hybrid's recurrent layers may hand on states in a coarser dtype
+            if carried is not None:
+                tolerance = max(tolerance, _tolerance(carried, device))
     if not err <= tolerance:
         raise _ProbeFailure(
             f"a one-token prefix and its continuation through DTA give other log-probs than the dense forward of the "
