@@ -23,8 +23,9 @@ PAD, BOS, EOS = 0, 1, 2
 DTA: dict = {}
 
 # Logged values that measure time or memory, or that exist only on one side.
-UNCOMPARED = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos",
-              "train_loss", "dta/rollout_generation_s", "dta/rollout_env_s", "dta/rollout_reward_s"}
+UNCOMPARED = {"step_time", "generation_time", "scoring_time", "train_runtime", "train_samples_per_second",
+              "train_steps_per_second", "total_flos", "train_loss", "dta/rollout_generation_s", "dta/rollout_env_s",
+              "dta/rollout_reward_s"}
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:

@@ -30,9 +30,9 @@ message that names each, with its fix (`refusal.py`), the dense alternative and 
   disagreement, at most the float32 tolerance (a wrong model, a position bias or bidirectional attention, misses by
   far more), or within the tolerance of the dtype its recurrent layers hand on their states in, when coarser than the
   model's (float32 states in a float64 model: transformers 5.25's cached decoding agrees with its own forward
-  exactly, so only the states' dtype shows that precision). A refusal names the precision, the measured gap and the model's own. The probe costs three forwards of
-  at most four tokens (three more of one token when the gap exceeds the dtype's tolerance) and leaves the model as it
-  was (attention implementation, training mode, gradients). It is skipped when a rule about the attention or the
+  exactly, so only the states' dtype shows that precision). A refusal names the precision, the measured gap and the
+  model's own. The probe costs three forwards of at most four tokens (three more of one token when the gap exceeds
+  the dtype's tolerance) and leaves the model as it was (attention implementation, training mode, gradients). It is skipped when a rule about the attention or the
   logits already refuses the model (its finding would only restate that rule).
 
 ```
