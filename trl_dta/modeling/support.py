@@ -32,8 +32,9 @@ message that names each, with its fix (`refusal.py`), the dense alternative and 
   model's (float32 states in a float64 model: transformers 5.25's cached decoding agrees with its own forward
   exactly, so only the states' dtype shows that precision). A refusal names the precision, the measured gap and the
   model's own. The probe costs three forwards of at most four tokens (three more of one token when the gap exceeds
-  the dtype's tolerance) and leaves the model as it was (attention implementation, training mode, gradients). It is skipped when a rule about the attention or the
-  logits already refuses the model (its finding would only restate that rule).
+  the dtype's tolerance) and leaves the model as it was (attention implementation, training mode, gradients). It is
+  skipped when a rule about the attention or the logits already refuses the model (its finding would only restate
+  that rule).
 
 ```
 dense:   t0 t1 t2 t3                  -> log p(t1 | t0), log p(t2 | t0 t1), log p(t3 | t0 t1 t2)
