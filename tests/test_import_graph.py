@@ -35,7 +35,8 @@ def test_the_package_has_no_cycle_and_no_upward_import():
     assert "OK: no cycle, no upward import" in proc.stdout
     heading = proc.stdout.splitlines()[0]
     assert heading.startswith("trl_dta: ") and " layers" in heading, heading
-    for package in ("balance", "engine", "envs", "kernels", "parallel", "trainers", "envs.tau2"):
+    for package in ("analysis", "balance", "engine", "envs", "generation", "kernels", "modeling", "parallel",
+                    "trainers", "envs.tau2"):
         assert f"\ntrl_dta.{package}: " in proc.stdout, package
 
 
