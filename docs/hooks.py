@@ -198,7 +198,7 @@ def _template_fixes(package: Path = PACKAGE) -> str:
 
 def _imported_strings(trees: dict[tuple[str, ...], ast.Module]) -> dict[tuple[str, ...], dict[str, ast.expr]]:
     """Each module's string names (`_strings` of its top level) plus those it imports from the package's modules by
-    `from .x import NAME` (a shared refusal sentence, e.g. `refusal.DENSE_FALLBACK`); one level of re-import."""
+    `from .x import NAME` (a shared refusal sentence, e.g. `refusal.DENSE_ALTERNATIVE`); one level of re-import."""
     own = {key: _strings(tree.body, {}) for key, tree in trees.items()}
     out = {}
     for key, tree in trees.items():

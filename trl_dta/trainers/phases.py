@@ -19,6 +19,7 @@ a dense run compares, and therefore without the `dta/` prefix a disabled trainer
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from . import _trl
@@ -30,24 +31,27 @@ class StepPhases:
     (`window.HookState.phase_seconds`)."""
 
     def _generate(self, prompts):
-        if not self.model.training:
+        with self._dta_timed(0):
             return super()._generate(prompts)
-        start = time.perf_counter()
-        try:
-            return super()._generate(prompts)
-        finally:
-            generation, total = self._dta_state.phase_seconds
-            self._dta_state.phase_seconds = (generation + time.perf_counter() - start, total)
 
     def _generate_and_score_completions(self, inputs):
-        if not self.model.training:
+        with self._dta_timed(1):
             return super()._generate_and_score_completions(inputs)
+
+    @contextlib.contextmanager
+    def _dta_timed(self, phase: int):
+        """Adds the seconds of the block to `phase_seconds[phase]` (0: generation, 1: generation and scoring) when
+        training (evaluation's generation is not counted)."""
+        if not self.model.training:
+            yield
+            return
         start = time.perf_counter()
         try:
-            return super()._generate_and_score_completions(inputs)
+            yield
         finally:
-            generation, total = self._dta_state.phase_seconds
-            self._dta_state.phase_seconds = (generation, total + time.perf_counter() - start)
+            seconds = list(self._dta_state.phase_seconds)
+            seconds[phase] += time.perf_counter() - start
+            self._dta_state.phase_seconds = tuple(seconds)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
