@@ -89,6 +89,7 @@ from trl import ModelConfig, TrlParser, get_peft_config
 
 from trl_dta import DTAGRPOConfig, DTAGRPOTrainer, tiny
 from trl_dta.envs import SHAPED_REWARDS, AgentRolloutFunc, RetailDomain, build_dataset, episode_reward, outcome_reward
+from trl_dta.pretrained import resolve_model_name
 from trl_dta.trainers.console import modern_flags, quiet_console, use_console
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
@@ -463,6 +464,8 @@ def main(script_args: AgentScriptArguments, training_args: DTAGRPOConfig, model_
     if script_args.torch_num_threads is not None:
         torch.set_num_threads(script_args.torch_num_threads)
     embedded = model_args.model_name_or_path is None
+    if not embedded:  # a local pretrained model's name (`smollm2-135m-instruct`) -> its converted folder
+        model_args.model_name_or_path = resolve_model_name(model_args.model_name_or_path)
     if embedded:
         tokenizer = embedded_tokenizer(script_args)
     else:

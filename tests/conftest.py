@@ -131,6 +131,29 @@ def domain():
     return RetailDomain(seed=0)
 
 
+# ------------------------------------------------------------------------------------- a real model (SmolLM2)
+
+
+def _smollm2_skip():
+    from trl_dta.pretrained import INSTALL, SMOLLM2, gguf_path
+
+    try:
+        gguf_path(SMOLLM2)
+    except ModuleNotFoundError:
+        pytest.skip(f"the real model's wheel is not installed: {INSTALL}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    """SmolLM2-135M-Instruct converted from the installed wheel (`trl_dta.pretrained.pretrained_folder`), once per
+    test session, into a fresh cache folder (so the conversion itself runs under test; about 40 s). Skips, naming the
+    install command, when the wheel is not installed."""
+    _smollm2_skip()
+    from trl_dta.pretrained import pretrained_folder
+
+    return pretrained_folder(cache_dir=tmp_path_factory.mktemp("trl_dta_cache"))
+
+
 @pytest.fixture(autouse=True)
 def _bounds_test_id(request):
     """Tells `bounds.RECORD` which test a relative comparison belongs to."""

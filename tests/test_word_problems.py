@@ -1,0 +1,46 @@
+"""`trl_dta.word_problems`: the generated problems' answers are exact, the prompts are chat turns, and the two rewards
+score the docstring's table."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from trl_dta import word_problems
+from trl_dta.word_problems import INSTRUCTION, answer_reward, build_dataset, number_format_reward
+
+
+@pytest.mark.parametrize("op", sorted(word_problems.PROBLEMS))
+def test_answers_are_exact(op):
+    rows = build_dataset(64, max_operand=10, ops=[op], num_shots=1, seed=3)
+    for prompt, answer in zip(rows["prompt"], rows["answer"], strict=True):
+        assert [m["role"] for m in prompt] == ["user", "assistant", "user"]
+        assert all(m["content"].endswith(INSTRUCTION) for m in prompt if m["role"] == "user")
+        question = prompt[-1]["content"]
+        a, b = (int(x) for x in re.findall(r"\d+", question)[:2])
+        if op == "which":
+            first, second, asked = re.search(r"has \d+ (\w+) and \d+ (\w+)\. How many (\w+)", question).groups()
+            assert second != first and asked in (first, second)
+            want = a if asked == first else b
+        else:
+            want = {"+": a + b, "-": a - b, "*": a * b}[op]
+        assert int(answer) == want and int(answer) >= 0
+    assert build_dataset(8, seed=3)["prompt"] == build_dataset(8, seed=3)["prompt"]  # seeded
+
+
+def test_rewards_score_the_table():
+    completions = ["12", "12 apples.", "7 + 5 = 12", "9", "Tom has 12 apples."]
+    assert answer_reward(completions, ["12"] * 5) == [1.0, 1.0, 0.0, 0.0, 1.0]
+    assert number_format_reward(completions) == [1.0, 0.0, 0.0, 1.0, 0.0]
+    conversational = [[{"role": "assistant", "content": " 12."}]]
+    assert answer_reward(conversational, ["12"]) == [1.0] and number_format_reward(conversational) == [1.0]
+
+
+def test_errors_name_the_argument():
+    with pytest.raises(ValueError, match="ops must be"):
+        build_dataset(4, ops=["/"])
+    with pytest.raises(ValueError, match="num_shots"):
+        build_dataset(4, num_shots=-1)
+    with pytest.raises(ValueError, match="answer"):
+        answer_reward(["1", "2"], ["1"])
