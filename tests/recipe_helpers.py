@@ -26,9 +26,10 @@ def load_recipe(path: Path, name: str) -> Iterator:
         del sys.modules[spec.name]
 
 
-def run(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run `args` from the repository root with the package importable and no inherited `ACCELERATE_USE_CPU`."""
-    env = dict(os.environ)
+def run(args: list[str], timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `args` from the repository root with the package importable and no inherited `ACCELERATE_USE_CPU`
+    (`env`: variables to add)."""
+    env = {**os.environ, **(env or {})}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     env.pop("ACCELERATE_USE_CPU", None)
     return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -54,6 +55,22 @@ def test_default_config_applies_only_to_the_embedded_setup(recipe):
     assert model_args.use_peft and model_args.lora_dropout == 0.0 and model_args.lora_modules_to_save == ["norm"]
 
 
+def test_the_real_model_name_selects_its_config(recipe):
+    """`--model_name_or_path smollm2-135m-instruct` without `--config`: `configs/smollm2.yaml` is the run (LoRA, word
+    problems); the command line still overrides it, and `--config` replaces it. The name is resolved later, in
+    `main` (parsing converts nothing)."""
+    script_args, training_args, model_args = recipe.parse_args(["--model_name_or_path", "smollm2-135m-instruct"])
+    assert model_args.model_name_or_path == "smollm2-135m-instruct" and model_args.use_peft
+    assert script_args.word_problem_ops == ["which"] and training_args.max_completion_length == 4
+    assert training_args.use_cpu and not training_args.bf16 and training_args.output_dir == "outputs/grpo-smollm2"
+    _, training_args, _ = recipe.parse_args(["--model_name_or_path=smollm2-135m-instruct", "--dta_enabled", "false",
+                                             "--max_steps", "3"])
+    assert not training_args.dta_enabled and training_args.max_steps == 3 and training_args.learning_rate == 2e-3
+    _, training_args, _ = recipe.parse_args(["--model_name_or_path", "smollm2-135m-instruct", "--config",
+                                             str(CONFIGS / "default.yaml")])
+    assert training_args.max_completion_length == 6  # the given config, not the model's
+
+
 def test_reward_funcs_resolution_and_errors(recipe, tmp_path):
     from trl_dta.tiny import arithmetic_reward
 
@@ -88,6 +105,21 @@ def test_summary_reads_the_logged_metrics(recipe):
     assert "DTA: no metrics logged" in dense_only
 
 
+def test_summary_record_is_the_json_line(recipe):
+    """The last line's record: reward trend overall and per function, the step's split, DTA's counts, the generator."""
+    entry = {"reward": 0.5, "rewards/answer_reward/mean": 0.25, "step_time": 0.12, "generation_time": 0.06,
+             "scoring_time": 0.01, "dta/step_time": 0.04, "dta/compression_ratio": 6.0, "dta/tokens": 600.0,
+             "dta/tree_tokens": 100.0, "dta/forward_tokens": 100.0}
+    logs = [entry, {**entry, "reward": 1.0, "rewards/answer_reward/mean": 0.75}, {"train_runtime": 1.0}]
+    record = recipe.summary_record(logs, steps=2, wall_time=1.04, window=5, use_vllm=True)
+    assert record["steps"] == 2 and record["wall_s"] == 1.0 and record["rewards_steps"] == 1
+    assert (record["reward_first"], record["reward_last"]) == (0.5, 1.0)
+    assert record["rewards"] == {"answer_reward": [0.25, 0.75]} and record["generation"] == "vllm"
+    assert record["training_s"] == pytest.approx(0.05) and record["compression_ratio"] == 6.0
+    dense = recipe.summary_record([{"reward": 0.1}], steps=1, wall_time=1.0, window=5)
+    assert dense["compression_ratio"] is None and dense["training_s"] is None and dense["generation"] == "transformers"
+
+
 def test_summary_splits_the_step_time(recipe):
     """TRL's `step_time` split into generation, scoring and training (`trl_dta/trainers/phases.py`), and with DTA the
     engine's share and the dense path's time if it followed the tokens, said to be an estimate."""
@@ -109,12 +141,36 @@ def test_defaultrun(tmp_path):
     result = run([sys.executable, str(RECIPE), "--max_steps", "3", "--tiny_num_rows", "64", "--output_dir", str(out)])
     summary = _summary(result)
     assert summary["steps"] == 3 and summary["processes"] == 1
+    assert _record(result)["compression_ratio"] == pytest.approx(summary["ratio"], abs=0.01)
     assert 0.0 <= summary["first"] <= 1.0 and 0.0 <= summary["last"] <= 1.0
     # 8 completions of <= 6 tokens per ~110-token prompt: the tree holds about a sixth of the tokens.
     assert 4.0 < summary["ratio"] < 8.0
     assert summary["tree"] <= summary["computed"] < summary["dense"]
     assert (out / "initial_model" / "tokenizer.json").is_file() and (out / "model.safetensors").is_file()
     _assert_readable_console(result, steps=3)
+
+
+def _record(result: subprocess.CompletedProcess) -> dict:
+    """The recipe's last line, `summary: {...}`."""
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith("summary: "), result.stdout[-2000:]
+    return json.loads(last[len("summary: "):])
+
+
+def test_real_model_smoke_run(tmp_path, smollm2_dir):
+    """`--model_name_or_path smollm2-135m-instruct` end to end, shortened (2 steps, 2-token answers): the name resolves
+    to the converted folder (the session's, through `TRL_DTA_CACHE`: nothing converts again), LoRA trains on the word
+    problems through the chat template, DTA shares each group's prompt, and the JSON line closes the run."""
+    out = tmp_path / "smollm2"
+    result = run([sys.executable, str(RECIPE), "--model_name_or_path", "smollm2-135m-instruct", "--max_steps", "2",
+                  "--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "2",
+                  "--word_problem_num_rows", "16", "--output_dir", str(out)],
+                 env={"TRL_DTA_CACHE": str(smollm2_dir.parent)})
+    record = _record(result)
+    assert record["steps"] == 2 and record["generation"] == "transformers"
+    assert set(record["rewards"]) == {"answer_reward", "number_format_reward"}
+    assert record["compression_ratio"] > 2.0 and record["training_s"] > 0
+    assert (out / "adapter_config.json").is_file() and (out / "trainer_state.json").is_file()
 
 
 def _assert_readable_console(result: subprocess.CompletedProcess, steps: int) -> None:
