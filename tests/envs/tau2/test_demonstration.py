@@ -44,3 +44,18 @@ def test_episodes_start_after_the_demonstration(chat_tokenizer):
     assert episode.messages[0]["tool_calls"][0]["function"]["arguments"] == {"task_id": "task_1",
                                                                             "status": "completed"}
     assert episode.shaped == {"call_format": 1.0, "tools": 1.0, "arguments": 1.0}
+
+
+def test_a_text_turn_earns_the_share_of_tool_call_it_starts_with(chat_tokenizer):
+    """SmolLM2 often opens a turn with `<tool_response>`: 6 of `<tool_call>`'s 11 characters, a quarter of that credit
+    (a turn with a `<tool_call>` that does not parse earns 0.25); plain text 0."""
+    mock = get_domain("mock")
+    renderer = ChatRenderer(chat_tokenizer, mock.tool_schemas)
+    for text, expected in (("<tool_response>\n{}", 0.25 * 6 / 11), ("Sure, done.", 0.0)):
+        def generate(prefixes, max_new_tokens, text=text):
+            ids = chat_tokenizer(text, add_special_tokens=False)["input_ids"] + [chat_tokenizer.eos_token_id]
+            return [Generation(ids[:budget], None) for budget in max_new_tokens]
+
+        (episode,) = play_tau2_episodes(mock, ["update_task_1"], generate, renderer, max_turns=1,
+                                        max_turn_tokens=64, max_tokens=8192)
+        assert episode.shaped["call_format"] == pytest.approx(expected)

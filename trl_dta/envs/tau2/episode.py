@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from ..._checks import check_int
 from ...generation import Generator
 from ..chat import ChatRenderer
+from ..protocol import _common_prefix
 from ..reward import argument_credit, tool_credit
 from ..rollout import Episode, check_branching, check_copyable, run_sessions
 from ._seam import tau2_modules
@@ -36,6 +37,7 @@ from .user import ScriptedUser
 END_REASONS = ("user_stop", "max_turns", "max_tokens")
 _TAU2_END = {"user_stop": "user_stop", "max_turns": "max_steps", "max_tokens": "max_steps"}
 _TOOL_CALL_OPEN = "<tool_call>"
+_UNPARSED = 0.25  # the call format of a turn with a `<tool_call>` that does not parse
 
 
 class Tau2Session:
@@ -72,7 +74,7 @@ class Tau2Session:
         self.done, self.end_reason, self.turns = False, None, 0
         self._calls = 0
         self.calls: list[tuple[str, dict]] = []  # the agent's attempted calls, for the shaped rewards
-        self.call_formats: list[float] = []  # per turn: 1 a call of a known tool, 0.5 unknown, 0.25 unparsed, 0 text
+        self.call_formats: list[float] = []  # per turn: see `shaped`
 
     def step(self, turn_ids: list[int]) -> list[int]:
         if self.done:
@@ -86,11 +88,12 @@ class Tau2Session:
             self.call_formats.append(1.0 if all(n in known for n in names) else 0.5)
             answers = self._run_calls(message)
         elif _TOOL_CALL_OPEN in message["content"]:
-            self.call_formats.append(0.25)
+            self.call_formats.append(_UNPARSED)
             answers = [{"role": "tool", "name": "error", "content": "Error: the tool call could not be parsed; write "
                         "one JSON object with 'name' and 'arguments' inside <tool_call></tool_call>."}]
-        else:
-            self.call_formats.append(0.0)
+        else:  # text: partial credit for the share of `<tool_call>` it starts with (`<tool_response>`: 6/11)
+            opening = _common_prefix(message["content"].lstrip(), _TOOL_CALL_OPEN) / len(_TOOL_CALL_OPEN)
+            self.call_formats.append(_UNPARSED * opening)
             self.trajectory.append(tau2_assistant_message(message))
             text, stop = self.user.reply(message["content"])
             self.trajectory.append(self._m.UserMessage(role="user", content=text))
@@ -162,7 +165,8 @@ class Tau2Session:
 
     def shaped(self) -> dict[str, float]:
         """The shaped credits of the episode (`envs.reward`): `call_format` (the mean per-turn call format: 1 a call of
-        a known tool, 0.5 of an unknown one, 0.25 an unparsed `<tool_call>`, 0 text), `tools` and `arguments`
+        a known tool, 0.5 of an unknown one, 0.25 an unparsed `<tool_call>`, text `0.25 * lcp / 11` for the share of
+        `<tool_call>` it starts with, as the stand-in credits a turn's start of `call `), `tools` and `arguments`
         against the task's gold agent actions."""
         criteria = self.task.evaluation_criteria
         gold = [(a.name, dict(a.arguments)) for a in (criteria.actions or []) if a.requestor == "assistant"] \
