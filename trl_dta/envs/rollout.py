@@ -241,8 +241,8 @@ def run_sessions(
 class _TextSession:
     """A retail episode ([`RetailEnv`]) in the plain-text protocol, as a [`Session`]."""
 
-    def __init__(self, env: RetailEnv, prompt_ids: list[int], tokenizer):
-        self.env, self.prompt_ids, self.tokenizer = env, prompt_ids, tokenizer
+    def __init__(self, env: RetailEnv, prompt_ids: list[int], tokenizer, chat=None):
+        self.env, self.prompt_ids, self.tokenizer, self.chat = env, prompt_ids, tokenizer, chat
 
     @property
     def done(self) -> bool:
@@ -250,14 +250,18 @@ class _TextSession:
 
     def step(self, turn_ids: list[int]) -> list[int]:
         role, text = self.env.step(self.tokenizer.decode(turn_ids, skip_special_tokens=True))
-        return [] if self.env.done else self.tokenizer(render_reply(role, text), add_special_tokens=False)["input_ids"]
+        if self.env.done:
+            return []
+        if self.chat is not None:
+            return self.chat.reply_ids(role, text)
+        return self.tokenizer(render_reply(role, text), add_special_tokens=False)["input_ids"]
 
     def stop(self, reason: str) -> None:
         self.env.stop(reason)
 
     def copy(self) -> _TextSession:
         """The same episode from here on, in an independent environment (tree rollouts)."""
-        return _TextSession(self.env.copy(), self.prompt_ids, self.tokenizer)
+        return _TextSession(self.env.copy(), self.prompt_ids, self.tokenizer, self.chat)
 
 
 def play_episodes(
@@ -273,6 +277,7 @@ def play_episodes(
     branching: Sequence[int] | None = None,
     branch_turns: int = 1,
     timings: dict | None = None,
+    chat=None,
 ) -> list[Episode]:
     """Plays `num_generations` episodes of every task of the stand-in retail domain with the policy behind `generate`
     (or, with `branching`, a tree of `prod(branching)` episodes per task, see the module docstring).
@@ -295,6 +300,8 @@ def play_episodes(
         branching (`Sequence[int]`, *optional*): tree rollouts: episodes per level (`num_generations` must be 1).
         branch_turns (`int`, *optional*, defaults to `1`): agent turns per level before each branch point.
         timings (`dict`, *optional*): receives `"reward_s"`, the seconds spent grading.
+        chat ([`~envs.chat_turns.ChatTurns`], *optional*): play the protocol in a chat model's template (prompts and
+            replies rendered as chat messages); `None`: the plain-text protocol (`envs.protocol`).
 
     Returns:
         `list[Episode]`: `len(task_ids) * num_generations` episodes (`len(task_ids) * prod(branching)` with
@@ -307,12 +314,12 @@ def play_episodes(
                          f"(got {num_generations}).")
     sessions, ids = [], []
     for task_id in task_ids:
-        prompt_ids = tokenizer(domain.prompt(task_id))["input_ids"]
+        prompt_ids = tokenizer(domain.prompt(task_id))["input_ids"] if chat is None else chat.prompt_ids(task_id)
         for _ in range((branching or [num_generations])[0]):
             env = domain.episode(task_id, max_turns=max_turns)
             if branching is not None:
                 check_copyable(env)
-            sessions.append(_TextSession(env, prompt_ids, tokenizer))
+            sessions.append(_TextSession(env, prompt_ids, tokenizer, chat))
             ids.append(domain.task(task_id).task_id)
     episodes, sessions = run_sessions(sessions, ids, generate, max_turn_tokens=max_turn_tokens, max_tokens=max_tokens,
                                       branching=branching, branch_turns=branch_turns)

@@ -44,6 +44,7 @@ import time
 from datasets import Dataset
 
 from .._checks import check_bool, check_int
+from .chat_turns import ChatTurns
 from .env import RetailDomain
 from .rollout import check_branching, check_copyable, episode_columns, play_episodes
 
@@ -89,6 +90,9 @@ class AgentRolloutFunc:
         branch_turns (`int`, *optional*, defaults to `1`): agent turns per level before each branch point.
         generation_cache (`bool`, *optional*, defaults to `True`): keep every episode's keys/values between turns
             (see the module docstring); `False`: `model.generate` on every whole prefix.
+        chat (`bool`, *optional*, defaults to `False`): play the protocol in the policy tokenizer's chat template
+            ([`~envs.chat_turns.ChatTurns`]: system message, a demonstration episode, chat-message replies), for
+            pretrained chat models; `False`: the plain-text protocol of the embedded tiny model.
 
     Logs the rollout metrics of the module docstring, `dta/generated_tokens` (policy tokens sampled) and
     `dta/generated_tokens_independent` (the policy tokens of the returned episodes: what independent episodes would
@@ -96,9 +100,12 @@ class AgentRolloutFunc:
     """
 
     def __init__(self, domain: RetailDomain, *, max_turns: int = 8, max_tokens: int = 1024,
-                 branching: list[int] | None = None, branch_turns: int = 1, generation_cache: bool = True):
+                 branching: list[int] | None = None, branch_turns: int = 1, generation_cache: bool = True,
+                 chat: bool = False):
         self.domain = domain
         self.generation_cache = check_bool("generation_cache", generation_cache)
+        self.chat = check_bool("chat", chat)
+        self._chats: dict[int, ChatTurns] = {}
         self.max_turns = check_int("max_turns", max_turns, minimum=1)
         self.max_tokens = check_int("max_tokens", max_tokens, minimum=2)
         self.branching, self.branch_turns = check_branching(branching, branch_turns)
@@ -128,10 +135,12 @@ class AgentRolloutFunc:
             task_ids = task_ids[::group]
             tree = dict(branching=self.branching, branch_turns=self.branch_turns)
         timings: dict = {}
-        with rollout_meter(trainer, trainer.processing_class, self.generation_cache) as meter:
-            episodes = play_episodes(self.domain, task_ids, meter, trainer.processing_class,
-                                     max_turns=self.max_turns, max_turn_tokens=trainer.max_completion_length,
-                                     max_tokens=self.max_tokens, timings=timings, **tree)
+        tokenizer = trainer.processing_class
+        chat = self.chat_turns(tokenizer) if self.chat else None
+        with rollout_meter(trainer, tokenizer, self.generation_cache) as meter:
+            episodes = play_episodes(self.domain, task_ids, meter, tokenizer, max_turns=self.max_turns,
+                                     max_turn_tokens=trainer.max_completion_length, max_tokens=self.max_tokens,
+                                     timings=timings, chat=chat, **tree)
         metrics = meter.log(trainer, episodes, timings.get("reward_s", 0.0))
         # Policy tokens sampled vs the same episodes played independently (tree rollouts share their first turns).
         metrics["dta/generated_tokens"].append(float(meter.generated))
@@ -139,6 +148,12 @@ class AgentRolloutFunc:
         return episode_columns(episodes, episode_reward=[e.reward.reward for e in episodes],
                                success=[e.reward.success for e in episodes],
                                **{key: [getattr(e.reward, key) for e in episodes] for key in _SHAPED_KEYS})
+
+    def chat_turns(self, tokenizer) -> ChatTurns:
+        """The [`~envs.chat_turns.ChatTurns`] of `tokenizer` (made once per tokenizer)."""
+        if id(tokenizer) not in self._chats:
+            self._chats[id(tokenizer)] = ChatTurns(tokenizer, self.domain)
+        return self._chats[id(tokenizer)]
 
 
 class RolloutMeter:

@@ -15,7 +15,7 @@ offline). Nothing here imports tau2 until it is used (`_seam.tau2_modules`).
 
 from ._seam import INSTALL, TAU2_VERSION, tau2_modules
 from .domain import DOMAINS, Tau2Domain
-from .episode import Tau2Session, play_tau2_episodes
+from .episode import Tau2Session, gold_demonstration, play_tau2_episodes
 from .tool_env import tau2_tool_env, tau2_tool_reward
 from .trl import Tau2RolloutFunc, build_tau2_dataset, tau2_reward
 from .user import LLMUser, ScriptedUser
@@ -30,6 +30,7 @@ __all__ = [
     "Tau2RolloutFunc",
     "Tau2Session",
     "build_tau2_dataset",
+    "gold_demonstration",
     "play_tau2_episodes",
     "tau2_modules",
     "tau2_reward",

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from ..._checks import check_int
 from ...generation import Generator
 from ..chat import ChatRenderer
+from ..protocol import _common_prefix
 from ..reward import argument_credit, tool_credit
 from ..rollout import Episode, check_branching, check_copyable, run_sessions
 from ._seam import tau2_modules
@@ -36,6 +37,7 @@ from .user import ScriptedUser
 END_REASONS = ("user_stop", "max_turns", "max_tokens")
 _TAU2_END = {"user_stop": "user_stop", "max_turns": "max_steps", "max_tokens": "max_steps"}
 _TOOL_CALL_OPEN = "<tool_call>"
+_UNPARSED = 0.25  # the call format of a turn with a `<tool_call>` that does not parse
 
 
 class Tau2Session:
@@ -48,10 +50,12 @@ class Tau2Session:
         user: a user with `opening` and `reply(text) -> (text, stop)`; defaults to [`ScriptedUser`]`(task, seed)`.
         seed (`int`, *optional*, defaults to `0`): the scripted user's seed.
         max_turns (`int`, *optional*, defaults to `16`): policy turns after which the episode ends.
+        demonstration (`Sequence[dict]`, *optional*): chat messages shown between the system prompt and the user's
+            opening ([`gold_demonstration`]); part of the prompt, not of the trajectory tau2 grades.
     """
 
     def __init__(self, domain: Tau2Domain, task_id: str, renderer: ChatRenderer, user=None, seed: int = 0,
-                 max_turns: int = 16):
+                 max_turns: int = 16, demonstration: Sequence[dict] = ()):
         self.domain, self.renderer = domain, renderer
         self.task = domain.task(task_id)
         self.user = user if user is not None else ScriptedUser(self.task, seed)
@@ -62,14 +66,15 @@ class Tau2Session:
         m = tau2_modules().message
         self._m = m
         self.trajectory = domain.initial_messages(self.task) + [m.UserMessage(role="user", content=self.user.opening)]
-        self.chat = [{"role": "system", "content": domain.system_prompt},
+        self.chat = [{"role": "system", "content": domain.system_prompt}, *copy.deepcopy(list(demonstration)),
                      {"role": "user", "content": self.user.opening}]
+        self.prompt_messages = len(self.chat)
         self.prompt_ids = renderer.prompt_ids(self.chat)
         self._header = self._after_last_eos(self.prompt_ids)  # the next turn's header: the response parser's prefix
         self.done, self.end_reason, self.turns = False, None, 0
         self._calls = 0
         self.calls: list[tuple[str, dict]] = []  # the agent's attempted calls, for the shaped rewards
-        self.call_formats: list[float] = []  # per turn: 1 a call of a known tool, 0.5 unknown, 0.25 unparsed, 0 text
+        self.call_formats: list[float] = []  # per turn: see `shaped`
 
     def step(self, turn_ids: list[int]) -> list[int]:
         if self.done:
@@ -83,11 +88,12 @@ class Tau2Session:
             self.call_formats.append(1.0 if all(n in known for n in names) else 0.5)
             answers = self._run_calls(message)
         elif _TOOL_CALL_OPEN in message["content"]:
-            self.call_formats.append(0.25)
+            self.call_formats.append(_UNPARSED)
             answers = [{"role": "tool", "name": "error", "content": "Error: the tool call could not be parsed; write "
                         "one JSON object with 'name' and 'arguments' inside <tool_call></tool_call>."}]
-        else:
-            self.call_formats.append(0.0)
+        else:  # text: partial credit for the share of `<tool_call>` it starts with (`<tool_response>`: 6/11)
+            opening = _common_prefix(message["content"].lstrip(), _TOOL_CALL_OPEN) / len(_TOOL_CALL_OPEN)
+            self.call_formats.append(_UNPARSED * opening)
             self.trajectory.append(tau2_assistant_message(message))
             text, stop = self.user.reply(message["content"])
             self.trajectory.append(self._m.UserMessage(role="user", content=text))
@@ -159,7 +165,8 @@ class Tau2Session:
 
     def shaped(self) -> dict[str, float]:
         """The shaped credits of the episode (`envs.reward`): `call_format` (the mean per-turn call format: 1 a call of
-        a known tool, 0.5 of an unknown one, 0.25 an unparsed `<tool_call>`, 0 text), `tools` and `arguments`
+        a known tool, 0.5 of an unknown one, 0.25 an unparsed `<tool_call>`, text `0.25 * lcp / 11` for the share of
+        `<tool_call>` it starts with, as the stand-in credits a turn's start of `call `), `tools` and `arguments`
         against the task's gold agent actions."""
         criteria = self.task.evaluation_criteria
         gold = [(a.name, dict(a.arguments)) for a in (criteria.actions or []) if a.requestor == "assistant"] \
@@ -184,6 +191,7 @@ def play_tau2_episodes(
     timings: dict | None = None,
     branching: Sequence[int] | None = None,
     branch_turns: int = 1,
+    demonstration: Sequence[dict] = (),
 ) -> list[Episode]:
     """Plays `num_generations` episodes of every task with the policy behind `generate` (or, with `branching`, a tree
     of `prod(branching)` episodes per task that branches at turn boundaries: `envs.rollout.run_sessions`).
@@ -206,6 +214,7 @@ def play_tau2_episodes(
             every unfinished episode is copied ([`Tau2Session.copy`]) into the next level's children after
             `branch_turns` policy turns per level.
         branch_turns (`int`, *optional*, defaults to `1`): policy turns per level before each branch point.
+        demonstration (`Sequence[dict]`, *optional*): chat messages before each opening ([`gold_demonstration`]).
 
     Returns:
         `list[Episode]`: with `messages` (the chat messages after the prompt), `end_reason`, `reward` (tau2's
@@ -221,7 +230,8 @@ def play_tau2_episodes(
         for _ in range((branching or [num_generations])[0]):
             task = domain.task(task_id)
             user = user_factory(task) if user_factory is not None else None
-            sessions.append(Tau2Session(domain, task_id, renderer, user=user, seed=seed, max_turns=max_turns))
+            sessions.append(Tau2Session(domain, task_id, renderer, user=user, seed=seed, max_turns=max_turns,
+                                        demonstration=demonstration))
             if branching is not None:
                 check_copyable(sessions[-1])
             ids.append(task_id)
@@ -229,8 +239,42 @@ def play_tau2_episodes(
                                       max_tokens=max_tokens, branching=branching, branch_turns=branch_turns)
     start = time.perf_counter()
     for episode, session in zip(episodes, sessions):
-        episode.messages, episode.end_reason, episode.reward = session.chat[2:], session.end_reason, session.reward()
+        episode.messages, episode.end_reason = session.chat[session.prompt_messages:], session.end_reason
+        episode.reward = session.reward()
         episode.shaped = session.shaped()
     if timings is not None:
         timings["reward_s"] = time.perf_counter() - start
     return episodes
+
+
+def gold_demonstration(domain: Tau2Domain, task_id: str, seed: int = 0) -> list[dict]:
+    """One solved episode of a task as chat messages, to show a small model the tool-call format before its own task:
+    the scripted user's opening, then each gold agent action as an assistant tool call followed by the answer of
+    tau2's tool on a fresh database, then the gold closing message ([`Tau2Domain.gold_turns`]).
+
+    Use a task that is not trained on (the recipe holds it out), so the demonstration shows the format and the
+    domain's tools, not the answer.
+
+    Args:
+        domain ([`Tau2Domain`]): the domain.
+        task_id (`str`): the task; its gold actions must all be the agent's (no user actions).
+        seed (`int`, *optional*, defaults to `0`): the scripted user's seed (its opening).
+
+    Returns:
+        `list[dict]`: user, assistant (tool calls), tool, ..., assistant messages.
+    """
+    task = domain.task(task_id)
+    criteria = task.evaluation_criteria
+    actions = list(criteria.actions or []) if criteria is not None else []
+    if not actions or any(a.requestor != "assistant" for a in actions):
+        raise ValueError(f"task {task_id!r} has no gold actions or has user actions; pick a task solved by the agent's "
+                         "tool calls alone for the demonstration.")
+    env = domain.new_environment(task)
+    messages = [{"role": "user", "content": ScriptedUser(task, seed).opening}]
+    for k, turn in enumerate(domain.gold_turns(task)):
+        messages.append(turn)
+        for call in turn.get("tool_calls", []):
+            function = call["function"]
+            tool_call, result = call_tool(env, function["name"], function["arguments"], f"demo_{k}")
+            messages.append(chat_tool_message(tool_call.name, result))
+    return messages

@@ -32,19 +32,21 @@ from .episode import play_tau2_episodes
 from .user import ScriptedUser
 
 
-def build_tau2_dataset(domain: Tau2Domain, task_ids=None, *, seed: int = 0) -> Dataset:
+def build_tau2_dataset(domain: Tau2Domain, task_ids=None, *, seed: int = 0, demonstration=()) -> Dataset:
     """One row per task: `prompt` (system prompt + the user's first message, as chat messages) and `task_id`.
 
     Args:
         domain ([`Tau2Domain`]): the domain (its `task_split` chooses the split).
         task_ids (`list[str]`, *optional*): a subset of the domain's task ids, in order; defaults to all.
         seed (`int`, *optional*, defaults to `0`): the scripted users' seed (it fixes each opening).
+        demonstration (`list[dict]`, *optional*): chat messages between the system prompt and the opening
+            (`envs.tau2.episode.gold_demonstration`), as [`Tau2RolloutFunc`]`(demonstration=...)` plays them.
 
     Returns:
         [`~datasets.Dataset`]: columns `prompt` and `task_id` (`str`, tau2's id).
     """
     task_ids = list(domain.task_ids if task_ids is None else task_ids)
-    prompts = [[{"role": "system", "content": domain.system_prompt},
+    prompts = [[{"role": "system", "content": domain.system_prompt}, *demonstration,
                 {"role": "user", "content": ScriptedUser(domain.task(t), seed).opening}] for t in task_ids]
     return Dataset.from_dict({"prompt": prompts, "task_id": task_ids})
 
@@ -61,14 +63,17 @@ class Tau2RolloutFunc:
         generation_cache (`bool`, *optional*, defaults to `True`): keep every episode's keys/values between turns, the
             system prompt and each task's opening prefilled once per rollout (`trl_dta.envs.trl_rollout`); `False`:
             `model.generate` on every whole prefix. Logs the same rollout metrics as `AgentRolloutFunc`.
+        demonstration (`list[dict]`, *optional*): chat messages shown before every opening (a small model's
+            example of the tool-call format: `envs.tau2.episode.gold_demonstration`).
 
     The trainer's dataset rows carry `task_id`; TRL hands `rollout_func` the prompts only, so the task is found from
     the prompt's opening (each task's opening is unique within a domain and seed; a clash raises at construction).
     """
 
     def __init__(self, domain: Tau2Domain, *, seed: int = 0, user_factory=None, max_turns: int = 16,
-                 max_tokens: int = 32768, generation_cache: bool = True):
+                 max_tokens: int = 32768, generation_cache: bool = True, demonstration=()):
         self.domain, self.seed, self.user_factory = domain, seed, user_factory
+        self.demonstration = list(demonstration)
         self.generation_cache = check_bool("generation_cache", generation_cache)
         self.max_turns = check_int("max_turns", max_turns, minimum=1)
         self.max_tokens = check_int("max_tokens", max_tokens, minimum=2)
@@ -99,7 +104,7 @@ class Tau2RolloutFunc:
             episodes = play_tau2_episodes(self.domain, task_ids, meter, renderer, seed=self.seed,
                                           user_factory=self.user_factory, max_turns=self.max_turns,
                                           max_turn_tokens=trainer.max_completion_length, max_tokens=self.max_tokens,
-                                          timings=timings)
+                                          timings=timings, demonstration=self.demonstration)
         meter.log(trainer, episodes, timings.get("reward_s", 0.0))
         return episode_columns(episodes)
 
