@@ -64,9 +64,14 @@ def summary(out: Path, expect: list[tuple[str, str]], dry_run: bool) -> None:
     parts = ["# GPU check: summary", ""]
     throughput_rows = read_rows(out / "throughput.csv")
     parts += ["## Throughput (tokens/s of rollout tokens; ratios per workload)", "",
+              "Seconds per optimizer step (best and median of `steps`), ratios of tokens/s (`vs_sparse`: over "
+              "`sparse-flex`), the ideal FLOP ratio over dense, `checked`: the correctness step's verdict on a DTA "
+              "backend or the oracle check of `trl-tree` / `sparse-flex` (a failed one also fills `error`).", "",
               _table(throughput_rows, ["model_shape", "workload", "method", "n_tokens", "compression_ratio",
-                                       "tokens_per_s", "vs_dense_ckpt", "vs_sparse", "vs_dense", "peak_mem_mb",
-                                       "mem_vs_dense_ckpt", "error"]), ""]
+                                       "ideal_ratio", "step_s", "median_step_s", "steps", "tokens_per_s",
+                                       "vs_dense_ckpt", "vs_trl_tree", "vs_sparse", "vs_dense", "peak_mem_mb",
+                                       "mem_vs_dense_ckpt", "forward_tokens", "micro_batches", "loss", "checked",
+                                       "error"]), ""]
     parts += ["## Trainer step (TRL's defaults)", "",
               _table(read_rows(out / "trainer.csv"), ["model_shape", "workload", "method", "step_s", "tokens_per_s",
                                                       "vs_trl", "peak_mem_mb", "mem_vs_trl", "error"]), ""]

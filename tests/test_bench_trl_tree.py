@@ -116,3 +116,26 @@ def test_sparse_flex_trains_on_cpu_through_the_named_fallback(exact64):
     out, grads = _run(provider, model, seqs, loss_fn)
     assert out.stats["attention"] == CPU_FLEX_FALLBACK and out.stats["micro_batches"] == 1
     _assert_close(out, grads, ref, rtol=1e-10)
+
+
+def test_engine_rows_carry_the_method_and_its_oracle_check(tmp_path):
+    """`bench_engine.run_grid` (what `python -m benchmarks.bench_engine --methods dense-ckpt,sparse-flex,trl-tree,dta`
+    runs), in-process on a small GRPO batch: every row names its method, passed the oracle check before timing, and
+    says how many micro-batches and forwarded tokens it ran; the CSV has both columns. A wrong result fails the
+    check."""
+    from benchmarks import common, workloads
+    from benchmarks.bench_engine import MethodConfig, run_grid
+    from benchmarks.oracle import ORACLE_TOL, oracle_error
+
+    w = workloads.grpo(24, 3, 8, vocab_size=4096)
+    rows = run_grid([w], ["dense-ckpt", "sparse-flex", "trl-tree", "dta"], "bench-cpu-quick", "cpu", "fp32",
+                    MethodConfig(), rounds=1, isolate=False, threads=1)
+    assert [r["method"] for r in rows] == ["dense-ckpt", "sparse-flex", "trl-tree", "dta"]
+    assert all(r["oracle_ok"] == 1 and r["oracle_err"] <= ORACLE_TOL["fp32"] and not r.get("error") for r in rows)
+    tree = w.tree()
+    assert [r["forward_tokens"] for r in rows[1:3]] == [tree.n_tree_tokens, tree.n_tree_tokens + 2]  # TRL forks early
+    assert rows[0]["micro_batches"] == 1 and rows[2]["micro_batches"] == 1
+    back = common.read_csv(common.write_csv(rows, tmp_path / "engine.csv"))
+    assert {"method", "oracle_ok", "oracle_err", "micro_batches", "forward_tokens"} <= set(back[0])
+    lp = [torch.randn(5), torch.randn(3)]
+    assert oracle_error(lp, lp) == 0 and oracle_error([x.flip(0) for x in lp], lp) > ORACLE_TOL["fp32"]
