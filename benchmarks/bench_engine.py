@@ -238,8 +238,8 @@ class MethodRun:
 def _error_row(w, tree, method, shape, device, dtype, error):
     return {"workload": w.name, "method": method, "n_sequences": tree.n_sequences, "n_tokens": tree.n_tokens,
             "n_tree_tokens": tree.n_tree_tokens, "compression_ratio": tree.compression_ratio,
-            "ideal_ratio": ideal_ratio(tree, shape), "error": error, "model_shape": shape, "device": device,
-            "dtype": dtype}
+            "ideal_ratio": ideal_ratio(tree, common.model_shape(shape)), "error": error, "model_shape": shape,
+            "device": device, "dtype": dtype}
 
 
 def run_grid(
@@ -277,7 +277,8 @@ def run_grid(
     for w in grid:
         tree = w.tree()
         common.log(f"== {w.name}: {len(w.seqs)} seqs, {tree.n_tokens} tokens, {tree.n_tree_tokens} tree tokens "
-                   f"({tree.compression_ratio:.2f}x), ideal {ideal_ratio(tree, shape):.2f}x  [{w.description}]")
+                   f"({tree.compression_ratio:.2f}x), ideal {ideal_ratio(tree, common.model_shape(shape)):.2f}x  "
+                   f"[{w.description}]")
         results: dict[str, dict] = {}
         errors: dict[str, str] = {}
         reference = None

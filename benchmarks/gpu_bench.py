@@ -219,6 +219,16 @@ class GridRun:
         self.optimizer.zero_grad(set_to_none=True)
         return out
 
+    def _accounting(self, stats: dict, n_rows: int) -> dict:
+        """Micro-batches, forwarded tokens (dense: padded; DTA: with its recomputed ones) and the attention run."""
+        from .baselines.dense import DenseProvider
+
+        if isinstance(self.provider, DenseProvider):
+            return dict(micro_batches=-(-n_rows // self.provider.micro_batch_size),
+                        forward_tokens=stats.get("padded_tokens"))
+        return dict(micro_batches=stats.get("micro_batches", 1), attention=stats.get("attention"),
+                    forward_tokens=stats.get("forward_tokens", 0) + stats.get("recomputed_tokens", 0))
+
     def _oracle(self, seqs) -> list[torch.Tensor]:
         """The per-sequence oracle's log-probs (each row alone, no padding) in this run's precision."""
         from .baselines.sparse import _torch_logprobs
@@ -256,8 +266,7 @@ class GridRun:
 
                 row["oracle_err"] = oracle_error(first.logps, reference)
                 row["oracle_ok"] = int(row["oracle_err"] <= ORACLE_TOL["bf16" if self.autocast else self.precision])
-            row.update({k: first.stats[k] for k in ("micro_batches", "forward_tokens", "attention")
-                        if k in first.stats})
+            row.update(self._accounting(first.stats, len(seqs)))
             while len(times) < steps:
                 with _Timer(self.cuda) as t:
                     out = self._step(seqs, loss_fn)
