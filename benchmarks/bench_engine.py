@@ -162,6 +162,7 @@ class MethodRun:
         self.loss_fn = common.make_loss_fn(len(workload.seqs), self.tree.n_tokens, seed)
         self.cuda = device.startswith("cuda")
         self.times: list[float] = []
+        self.cpu_times: list[float] = []  # CPU seconds of this process per step: on a loaded machine, the steadier
         self.loss = None
         self.stats: dict = {}
         self.mem = common.PeakMemory(device)
@@ -180,12 +181,13 @@ class MethodRun:
     def step(self) -> float:
         if self.cuda:
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = self._step(self.workload.seqs, self.loss_fn)
         if self.cuda:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         self.times.append(dt)
+        self.cpu_times.append(time.process_time() - c0)
         if self.loss is None:
             self.loss = out.loss  # the first timed step's loss (same parameters for every method)
         self.stats = {k: v for k, v in out.stats.items() if isinstance(v, (int, float, str))}
@@ -220,6 +222,7 @@ class MethodRun:
             "ideal_ratio": ideal_ratio(tree, self.shape),
             "step_s": times[0],
             "median_step_s": times[len(times) // 2],
+            "cpu_step_s": min(self.cpu_times),
             "steps": len(times),
             "tokens_per_s": tree.n_tokens / times[0],
             "peak_mem_mb": max(self.mem.peak_mb(), 0.0),
@@ -494,8 +497,8 @@ def main(argv=None) -> None:
 
 
 # The columns of the side-by-side tables (issue 33; `benchmarks/bench_side_by_side.py`).
-SIDE_BY_SIDE_COLUMNS = ["workload", "method", "step_s", "median_step_s", "steps", "peak_mem_mb", "forward_tokens",
-                        "micro_batches", "oracle_ok", "speedup_vs_trl_tree", "speedup_vs_sparse_flex",
+SIDE_BY_SIDE_COLUMNS = ["workload", "method", "step_s", "median_step_s", "cpu_step_s", "steps", "peak_mem_mb",
+                        "forward_tokens", "micro_batches", "oracle_ok", "speedup_vs_trl_tree", "speedup_vs_sparse_flex",
                         "speedup_vs_dense_ckpt", "speedup_vs_dense", "fraction_of_ideal", "ideal_ratio", "attention"]
 
 

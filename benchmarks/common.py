@@ -43,6 +43,7 @@ CSV_COLUMNS = [
     "ideal_ratio",
     "step_s",
     "median_step_s",
+    "cpu_step_s",
     "tokens_per_s",
     "speedup_vs_dense",
     "dense_ref",
