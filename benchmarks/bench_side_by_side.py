@@ -80,8 +80,10 @@ def main(argv=None) -> None:
         if args.workloads:
             grid = [w for w in grid if w.name.startswith(tuple(args.workloads.split(",")))]
         rounds = args.rounds or (1 if shape in common.PRETRAINED_SHAPES else 2)
+        # a pretrained size: one method's process alive at a time (five SmolLM2 workers with AdamW state at once
+        # met the OOM killer on a shared 24 GiB machine); the quick shape: interleaved rounds
         rows += run_grid(grid, list(args.methods), shape, "cpu", "fp32", MethodConfig(), rounds=rounds,
-                         threads=args.threads)
+                         threads=args.threads, interleave=shape not in common.PRETRAINED_SHAPES)
         path = common.write_csv(rows, args.out, COLUMNS)  # after each size: a stopped run keeps the first
     print(common.markdown_table(rows, COLUMNS[:17]))
     print(f"\nwrote {path} and {plot(rows, path.with_suffix('.png'))}")

@@ -397,7 +397,13 @@ class Worker:
             return
         if self.proc is None:
             raise RuntimeError("benchmark worker is closed")
-        self.conn.send((name, args))
+        try:
+            self.conn.send((name, args))
+        except OSError:  # the child is gone (killed: often the kernel's OOM killer)
+            self.proc.join(1)
+            code = self.proc.exitcode
+            self.close(wait=0)
+            raise RuntimeError(f"benchmark worker died (exit code {code}; -9 is usually out of memory)") from None
 
     def result(self):
         """The answer of the call [`submit`] started (raises as [`call`] does)."""
