@@ -13,6 +13,7 @@ from .gpu_bench import (
     PREFIX_METHODS,
     TRAINER_METHODS,
     WORKLOADS,
+    fill_ratios,
     prefix_workloads,
     read_rows,
     shape_of,
@@ -63,6 +64,8 @@ def summary(out: Path, expect: list[tuple[str, str]], dry_run: bool) -> None:
     dry run fail (SystemExit) if anything is missing."""
     parts = ["# GPU check: summary", ""]
     throughput_rows = read_rows(out / "throughput.csv")
+    for row in throughput_rows:  # against every reference row of the run (DTA's were written before the baselines')
+        fill_ratios(row, throughput_rows)
     parts += ["## Throughput (tokens/s of rollout tokens; ratios per workload)", "",
               "Seconds per optimizer step (best and median of `steps`), ratios of tokens/s (`vs_sparse`: over "
               "`sparse-flex`), the ideal FLOP ratio over dense, `checked`: the correctness step's verdict on a DTA "
