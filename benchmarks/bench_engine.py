@@ -37,11 +37,13 @@ from pathlib import Path
 
 import torch
 
-from trl_dta.flops import dense_flops, get_model_shape, ideal_ratio, padded_dense_flops, tree_flops
+from trl_dta.flops import dense_flops, ideal_ratio, padded_dense_flops, tree_flops
 
 from . import common, workloads
 from .baselines.dense import DenseProvider, ProviderOutput
 from .baselines.sparse import SparseProvider
+from .baselines.trl_tree import TRLTreeProvider
+from .oracle import ORACLE_TOL, oracle_error, oracle_logps
 
 
 class DTAProvider:
@@ -69,8 +71,10 @@ class MethodConfig:
     Args:
         micro_batch_size (`int`): rows per micro-batch of `dense` and `dense+ckpt` (`dense-mb8` runs
             `TRL_MICRO_BATCH_SIZE`).
-        sparse_attention (`str`): `"blocks"` or `"mask"` (see `baselines/sparse.py`).
-        sparse_max_tokens (`int`): tree tokens per packed micro-batch.
+        sparse_attention (`str`): `"blocks"` or `"mask"`: the attention of the method `sparse` (see
+            `baselines/sparse.py`; `sparse-flex` and `sparse-blocks` name theirs).
+        sparse_max_tokens (`int`, *optional*): tree tokens per packed micro-batch (None: the whole tree in one row).
+        trl_token_budget (`int`, *optional*): TRL's `token_budget` of `trl-tree` (None: the whole batch in one row).
         dta_max_batch_tokens (`int`): DTA sibling-batch budget (padded tokens per forward).
         dta_max_graph_tokens (`int`, *optional*): DTA kept-graph budget (None = keep every graph) for `dta`;
             `dta-lowmem` uses `dta_lowmem_graph_tokens`.
@@ -79,7 +83,10 @@ class MethodConfig:
 
     micro_batch_size: int = field(default=1, metadata={"help": "Rows per micro-batch of `dense` and `dense+ckpt`."})
     sparse_attention: str = field(default="blocks", metadata={"help": "'blocks' or 'mask'."})
-    sparse_max_tokens: int = field(default=8192, metadata={"help": "Tree tokens per packed micro-batch."})
+    sparse_max_tokens: int | None = field(default=None, metadata={
+        "help": "Tree tokens per packed micro-batch (None: the whole tree, one row)."})
+    trl_token_budget: int | None = field(default=None, metadata={
+        "help": "TRL's token_budget for `trl-tree` (None: the whole batch, one row)."})
     dta_max_batch_tokens: int = field(default=8192, metadata={"help": "DTA sibling-batch budget."})
     dta_max_graph_tokens: int | None = field(default=None, metadata={"help": "DTA kept-graph budget for `dta`."})
     dta_lowmem_graph_tokens: int = field(default=1024, metadata={"help": "Kept-graph budget of `dta-lowmem`."})
@@ -112,6 +119,12 @@ PROVIDERS: dict[str, Callable] = {
                                                    gradient_checkpointing=True),
     "sparse": lambda model, cfg: SparseProvider(model, attention=cfg.sparse_attention,
                                                 max_tokens=cfg.sparse_max_tokens),
+    # the packed tree under torch's FlexAttention and a block mask of the ancestor test (issue 33); on CPU training
+    # takes the block loop (torch has no CPU FlexAttention backward), said in the row's `attention`
+    "sparse-flex": lambda model, cfg: SparseProvider(model, attention="flex", max_tokens=cfg.sparse_max_tokens),
+    "sparse-blocks": lambda model, cfg: SparseProvider(model, attention="blocks", max_tokens=cfg.sparse_max_tokens),
+    # TRL's own tree packing (AsyncGRPOTrainer: TreeRow, its planner, tree_attention's signature)
+    "trl-tree": lambda model, cfg: TRLTreeProvider(model, token_budget=cfg.trl_token_budget),
     "dta": lambda model, cfg: DTAProvider(model, **cfg.engine_kwargs(cfg.dta_max_graph_tokens)),
     "dta-lowmem": lambda model, cfg: DTAProvider(model, **cfg.engine_kwargs(cfg.dta_lowmem_graph_tokens)),
 }
@@ -134,12 +147,12 @@ class MethodRun:
 
     def __init__(self, workload: workloads.Workload, method: str, shape: str, device: str = "cpu",
                  dtype: str = "fp32", cfg: MethodConfig | None = None, threads: int | None = None, seed: int = 0,
-                 family: str = "qwen"):
+                 family: str = "qwen", reference: list[torch.Tensor] | None = None):
         if method not in PROVIDERS:
             raise ValueError(f"unknown method {method!r}; choose from {list(PROVIDERS)}")
         self.workload, self.method, self.device, self.dtype = workload, method, device, dtype
         self.cfg = cfg or MethodConfig()
-        self.shape = get_model_shape(shape)
+        self.shape = common.model_shape(shape)
         common.set_threads(threads)
         torch.manual_seed(seed)
         self.model = common.build_model(self.shape, common.parse_dtype(dtype), device, seed=seed, family=family)
@@ -149,12 +162,15 @@ class MethodRun:
         self.loss_fn = common.make_loss_fn(len(workload.seqs), self.tree.n_tokens, seed)
         self.cuda = device.startswith("cuda")
         self.times: list[float] = []
+        self.cpu_times: list[float] = []  # CPU seconds of this process per step: on a loaded machine, the steadier
         self.loss = None
         self.stats: dict = {}
         self.mem = common.PeakMemory(device)
         self.mem.reset()
-        # warm-up: one full step (allocator pools, kernel selection, lazily built state), not timed
-        self._step(workload.seqs, self.loss_fn)
+        # warm-up: one full step (allocator pools, kernel selection, lazily built state), not timed; its log-probs
+        # (the initial weights) against the per-sequence oracle's
+        out = self._step(workload.seqs, self.loss_fn)
+        self.oracle_err = None if reference is None else oracle_error(out.logps, reference)
 
     def _step(self, seqs, loss_fn):
         out = self.provider.forward_backward(seqs, loss_fn)
@@ -165,16 +181,30 @@ class MethodRun:
     def step(self) -> float:
         if self.cuda:
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = self._step(self.workload.seqs, self.loss_fn)
         if self.cuda:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         self.times.append(dt)
+        self.cpu_times.append(time.process_time() - c0)
         if self.loss is None:
             self.loss = out.loss  # the first timed step's loss (same parameters for every method)
-        self.stats = {k: v for k, v in out.stats.items() if isinstance(v, (int, float))}
+        self.stats = {k: v for k, v in out.stats.items() if isinstance(v, (int, float, str))}
         return dt
+
+    def _accounting(self) -> dict:
+        """The oracle check, micro-batches, forwarded tokens and attention of the row."""
+        stats, tol = self.stats, ORACLE_TOL[self.dtype]
+        out = {"oracle_err": self.oracle_err, "attention": stats.get("attention"),
+               "oracle_ok": None if self.oracle_err is None else int(self.oracle_err <= tol)}
+        if isinstance(self.provider, DenseProvider):
+            out["micro_batches"] = -(-self.tree.n_sequences // self.provider.micro_batch_size)
+            out["forward_tokens"] = stats.get("padded_tokens")
+        else:
+            out["micro_batches"] = stats.get("micro_batches", 1)  # DTA: one walk of the whole tree
+            out["forward_tokens"] = stats.get("forward_tokens", 0) + stats.get("recomputed_tokens", 0)
+        return out
 
     def result(self) -> dict:
         tree, times = self.tree, sorted(self.times)
@@ -192,12 +222,14 @@ class MethodRun:
             "ideal_ratio": ideal_ratio(tree, self.shape),
             "step_s": times[0],
             "median_step_s": times[len(times) // 2],
+            "cpu_step_s": min(self.cpu_times),
             "steps": len(times),
             "tokens_per_s": tree.n_tokens / times[0],
             "peak_mem_mb": max(self.mem.peak_mb(), 0.0),
             "tflops": work / times[0] / 1e12,
             "dense_tflop": dense_flops(tree.lengths, self.shape).total / 1e12,
             "loss": self.loss,
+            **self._accounting(),
             "stats": self.stats,
             "model_shape": self.shape.name,
             "device": self.device,
@@ -209,8 +241,8 @@ class MethodRun:
 def _error_row(w, tree, method, shape, device, dtype, error):
     return {"workload": w.name, "method": method, "n_sequences": tree.n_sequences, "n_tokens": tree.n_tokens,
             "n_tree_tokens": tree.n_tree_tokens, "compression_ratio": tree.compression_ratio,
-            "ideal_ratio": ideal_ratio(tree, shape), "error": error, "model_shape": shape, "device": device,
-            "dtype": dtype}
+            "ideal_ratio": ideal_ratio(tree, common.model_shape(shape)), "error": error, "model_shape": shape,
+            "device": device, "dtype": dtype}
 
 
 def run_grid(
@@ -226,8 +258,12 @@ def run_grid(
     threads: int | None = None,
     timeout: float | None = None,
     family: str = "qwen",
+    oracle: bool = True,
 ) -> list[dict]:
     """Every method on every workload, each in its own process; failures become rows with an `error`.
+
+    `oracle`: first the per-sequence oracle's log-probs (`oracle_logps`, its own process), against which each method's
+    warm-up step is checked before it is timed (`oracle_ok`, `oracle_err`; a failed check also fills `error`).
 
     `family` builds the model of another family at the shape's width (`common.FAMILIES`); its rows' workloads are
     named `<workload>@<family>`, so that each family's methods are compared with its own dense path.
@@ -244,9 +280,17 @@ def run_grid(
     for w in grid:
         tree = w.tree()
         common.log(f"== {w.name}: {len(w.seqs)} seqs, {tree.n_tokens} tokens, {tree.n_tree_tokens} tree tokens "
-                   f"({tree.compression_ratio:.2f}x), ideal {ideal_ratio(tree, shape):.2f}x  [{w.description}]")
+                   f"({tree.compression_ratio:.2f}x), ideal {ideal_ratio(tree, common.model_shape(shape)):.2f}x  "
+                   f"[{w.description}]")
         results: dict[str, dict] = {}
         errors: dict[str, str] = {}
+        reference = None
+        if oracle:
+            try:
+                reference = common.run_isolated(oracle_logps, w, shape, device, dtype, 0, family, threads,
+                                                isolate=isolate, timeout=timeout)
+            except RuntimeError as e:
+                common.log(f"   oracle FAILED (no oracle check): {str(e).strip().splitlines()[-1]}")
 
         def fail(method, e):
             msg = str(e).strip().splitlines()
@@ -256,7 +300,7 @@ def run_grid(
         def start(method):
             try:
                 return common.Worker(MethodRun, w, method, shape, device, dtype, cfg, threads, isolate=isolate,
-                                     timeout=timeout, family=family)
+                                     timeout=timeout, family=family, reference=reference)
             except RuntimeError as e:
                 fail(method, e)
                 return None
@@ -276,8 +320,11 @@ def run_grid(
             try:
                 results[method] = worker.call("result")
                 r = results[method]
+                if r.get("oracle_ok") == 0:
+                    r["error"] = f"failed its oracle check: log-prob error {r['oracle_err']:.3g}"
                 common.log(f"   {method:12s} best {r['step_s']:.2f} s  peak {r['peak_mem_mb']:.0f} MB  "
-                           f"loss {r['loss']:.6g}  load {r['loadavg']:.1f}")
+                           f"loss {r['loss']:.6g}  oracle {common._fmt(r.get('oracle_err'))}  "
+                           f"load {r['loadavg']:.1f}")
             except RuntimeError as e:
                 fail(method, e)
             worker.close()
@@ -317,11 +364,22 @@ def check_losses(rows: list[dict], rtol: float = 1e-3) -> None:
             common.log(f"!! {row['workload']}/{row['method']}: {row['error']}")
 
 
-def engine_workloads(scale_grpo: float, scale_multi_turn: float, no_sharing: tuple[int, int], vocab_size: int):
+# The tau2 airline per-turn trees per size (`workloads.tau2_airline`): the GPU's (1 task x 4 episodes, 36 rows,
+# 205K tokens, 8.6K tree tokens, 24x); this CPU's, 1 x 2 episodes, their first 3 turns over the first 1,024 tokens
+# of the shared prefix (6 rows, 8.1K tokens, 2.3K tree tokens, 3.6x); at a pretrained model's width on this CPU,
+# 2 turns over 512 prefix tokens (4 rows, 2.7K tokens, 1.05K tree tokens, 2.6x).
+TAU2_SIZES = {"gpu": dict(tasks=1, group=4), "cpu": dict(tasks=1, group=2, max_turns=3, prefix_tokens=1024),
+              "cpu-pretrained": dict(tasks=1, group=2, max_turns=2, prefix_tokens=512)}
+
+
+def engine_workloads(scale_grpo: float, scale_multi_turn: float, no_sharing: tuple[int, int], vocab_size: int,
+                     tau2: str = "cpu"):
+    """GRPO p1024/g16/c256, the multi-turn tree, no sharing (each at its scale) and tau2 airline (`TAU2_SIZES`)."""
     return [
         workloads.grpo(1024, 16, 256, scale=scale_grpo, vocab_size=vocab_size),
         workloads.multi_turn(scale=scale_multi_turn, vocab_size=vocab_size),
         workloads.no_sharing(*no_sharing, vocab_size=vocab_size),
+        workloads.tau2_airline(vocab_size=vocab_size, **TAU2_SIZES[tau2]),
     ]
 
 
@@ -335,9 +393,10 @@ def prefix_memory(siblings=(4, 32, 128), methods=("dta-sdpa", "dta"), shape: str
     the two-part backends one in all; so the peak must grow with the siblings' own tokens only (target: 32 siblings
     within 1.5x of 4). Rows as `run_grid`'s, plus `mem_vs_first` (peak over the same method's at the fewest
     siblings)."""
-    vocab = get_model_shape(shape).vocab_size
+    vocab = common.model_shape(shape).vocab_size
     grid = [workloads.grpo(prompt, n, completion, vocab_size=vocab) for n in siblings]
-    rows = run_grid(grid, list(methods), shape, device, dtype, MethodConfig(), rounds=rounds, threads=threads)
+    rows = run_grid(grid, list(methods), shape, device, dtype, MethodConfig(), rounds=rounds, threads=threads,
+                    oracle=False)
     for row in rows:
         first = next(r for r in rows if r["method"] == row["method"])
         if row.get("peak_mem_mb") and first.get("peak_mem_mb"):
@@ -377,7 +436,8 @@ def main(argv=None) -> None:
     p.add_argument("--prefix-memory", action="store_true",
                    help="issue 11's case instead: prompt 4096, 4 / 32 / 128 completions of 32, `--methods` default "
                         "dta-sdpa,dta, `bench-cpu-quick` shape unless --model-shape")
-    p.add_argument("--model-shape", default=None, help="bench-cpu (default), bench-cpu-quick with --quick, ...")
+    p.add_argument("--model-shape", default=None,
+                   help="bench-cpu (default), bench-cpu-quick with --quick, ...; smollm2: SmolLM2-135M's real weights")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--scale", type=float, default=None,
@@ -392,6 +452,7 @@ def main(argv=None) -> None:
     p.add_argument("--workloads", default=None, help="comma-separated name prefixes to keep (e.g. grpo)")
     p.add_argument("--tag", default="")
     p.add_argument("--no-isolate", action="store_true")
+    p.add_argument("--no-oracle", action="store_true", help="skip the per-sequence oracle check of each method")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads per run on CPU (1 avoids OpenMP oversubscription on a shared machine)")
     args = p.parse_args(argv)
@@ -407,15 +468,17 @@ def main(argv=None) -> None:
         print(f"\nwrote {path} and {plot_prefix_memory(rows, path.with_suffix('.png'))}")
         return
     shape = args.model_shape or ("bench-cpu-quick" if args.quick else "bench-cpu")
-    vocab = get_model_shape(shape).vocab_size
-    if args.quick:
-        grid = engine_workloads(0.25, 0.125, (8, 512), vocab)
+    vocab = common.model_shape(shape).vocab_size
+    pretrained = shape in common.PRETRAINED_SHAPES
+    tau2 = "gpu" if not cpu else "cpu-pretrained" if pretrained else "cpu"
+    if args.quick:  # a pretrained model's width on CPU: a quarter of the quick GRPO lengths
+        grid = engine_workloads(1 / 16 if pretrained else 0.25, 0.125, (8, 512), vocab, tau2)
     elif args.scale is not None:
-        grid = engine_workloads(args.scale, args.scale, (16, round(2048 * args.scale)), vocab)
+        grid = engine_workloads(args.scale, args.scale, (16, round(2048 * args.scale)), vocab, tau2)
     elif cpu:
-        grid = engine_workloads(0.5, 0.25, (8, 1024), vocab)
+        grid = engine_workloads(0.5, 0.25, (8, 1024), vocab, tau2)
     else:
-        grid = engine_workloads(1.0, 1.0, (16, 2048), vocab)
+        grid = engine_workloads(1.0, 1.0, (16, 2048), vocab, tau2)
     if args.workloads:
         prefixes = [w for w in args.workloads.split(",") if w]
         common.prefixed(p, "--workloads", prefixes, [w.name for w in grid])
@@ -425,11 +488,18 @@ def main(argv=None) -> None:
     rows = []
     for family in args.families:
         rows += run_grid(grid, methods, shape, args.device, args.dtype, cfg, rounds=args.rounds,
-                         isolate=not args.no_isolate, threads=args.threads if cpu else None, family=family)
+                         isolate=not args.no_isolate, threads=args.threads if cpu else None, family=family,
+                         oracle=not args.no_oracle)
     name = "engine" + ("-quick" if args.quick else "") + (f"-{args.tag}" if args.tag else "")
     path = common.write_csv(rows, f"benchmarks/results/{name}.csv")
-    print(common.markdown_table(rows))
+    print(common.markdown_table(rows, SIDE_BY_SIDE_COLUMNS))
     print(f"\nwrote {path} and {common.plot(path)}")
+
+
+# The columns of the side-by-side tables (issue 33; `benchmarks/bench_side_by_side.py`).
+SIDE_BY_SIDE_COLUMNS = ["workload", "method", "step_s", "median_step_s", "cpu_step_s", "steps", "peak_mem_mb",
+                        "forward_tokens", "micro_batches", "oracle_ok", "speedup_vs_trl_tree", "speedup_vs_sparse_flex",
+                        "speedup_vs_dense_ckpt", "speedup_vs_dense", "fraction_of_ideal", "ideal_ratio", "attention"]
 
 
 if __name__ == "__main__":

@@ -43,12 +43,16 @@ CSV_COLUMNS = [
     "ideal_ratio",
     "step_s",
     "median_step_s",
+    "cpu_step_s",
     "tokens_per_s",
     "speedup_vs_dense",
     "dense_ref",
     "speedup_vs_dense_mb1",
     "speedup_vs_dense_mb8",
     "speedup_vs_sparse",
+    "speedup_vs_trl_tree",
+    "speedup_vs_sparse_flex",
+    "speedup_vs_dense_ckpt",
     "fraction_of_ideal",
     "peak_mem_mb",
     "mem_vs_dense",
@@ -58,6 +62,11 @@ CSV_COLUMNS = [
     "dtype",
     "loadavg",
     "loss",
+    "oracle_ok",
+    "oracle_err",
+    "micro_batches",
+    "forward_tokens",
+    "attention",
     "error",
 ]
 
@@ -72,6 +81,32 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 # ---------------------------------------------------------------------------------------------------- model
+
+
+# Shapes built from a pretrained checkpoint instead of random weights: name -> (its shape, `trl_dta.pretrained` key).
+# `smollm2`: SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, 9/3 heads, vocab 49,152, tied embeddings).
+PRETRAINED_SHAPES = {"smollm2": (ModelShape(576, 1536, 30, 9, 3, 64, 49152, name="smollm2"), "smollm2-135m-instruct")}
+
+
+def model_shape(shape: str | ModelShape) -> ModelShape:
+    """`trl_dta.flops.get_model_shape`, and the pretrained shapes of `PRETRAINED_SHAPES`."""
+    if isinstance(shape, str) and shape in PRETRAINED_SHAPES:
+        return PRETRAINED_SHAPES[shape][0]
+    return get_model_shape(shape)
+
+
+def _pretrained(shape: ModelShape, dtype, device, attn_implementation: str):
+    """The real weights of a `PRETRAINED_SHAPES` shape (converted once, cached: `trl_dta.pretrained`), in train mode."""
+    from transformers import AutoModelForCausalLM
+
+    from trl_dta.pretrained import pretrained_folder
+
+    model = AutoModelForCausalLM.from_pretrained(pretrained_folder(PRETRAINED_SHAPES[shape.name][1]), dtype=dtype,
+                                                 attn_implementation=attn_implementation).to(device)
+    got = ModelShape.from_config(model.config, name=shape.name)
+    if got != shape:
+        raise ValueError(f"{shape.name}: the checkpoint has the shape {got}, not {shape}")
+    return model.train()
 
 
 def _gpt_oss_config(shape: ModelShape, common: dict):
@@ -112,7 +147,8 @@ def build_model(
     model (Gated DeltaNet) or a Nemotron-H (Mamba2), `_hybrid_config`.
 
     Args:
-        shape (`str` or [`~trl_dta.flops.ModelShape`]): the model's shape (a name of `trl_dta.flops.MODEL_SHAPES`).
+        shape (`str` or [`~trl_dta.flops.ModelShape`]): the model's shape (a name of `trl_dta.flops.MODEL_SHAPES`, or
+            of `PRETRAINED_SHAPES`: the pretrained model's real weights, `seed` and `family` unused).
         dtype (`torch.dtype`, *optional*, defaults to `torch.float32`): parameter dtype.
         device (`str`, *optional*, defaults to `"cpu"`): where the parameters live.
         seed (`int`, *optional*, defaults to `0`): initialisation seed (the global RNG is left untouched).
@@ -124,7 +160,11 @@ def build_model(
 
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; choose one of {sorted(FAMILIES)}")
-    shape = get_model_shape(shape)
+    shape = model_shape(shape)
+    if shape.name in PRETRAINED_SHAPES:
+        if family != "qwen":
+            raise ValueError(f"shape {shape.name!r} loads its own pretrained model; drop family={family!r}")
+        return _pretrained(shape, dtype, device, attn_implementation)
     if shape.recurrent_layers:
         config = _hybrid_config(shape, max_position_embeddings, attn_implementation, dtype)
     else:
@@ -336,7 +376,7 @@ class Worker:
 
     def _answer(self):
         if not self.conn.poll(self.timeout):
-            self.close()
+            self.close(wait=0)  # busy past its time: killed at once (a deadline is near)
             raise RuntimeError(f"benchmark worker timed out after {self.timeout} s")
         try:
             status, value = self.conn.recv()
@@ -357,7 +397,13 @@ class Worker:
             return
         if self.proc is None:
             raise RuntimeError("benchmark worker is closed")
-        self.conn.send((name, args))
+        try:
+            self.conn.send((name, args))
+        except OSError:  # the child is gone (killed: often the kernel's OOM killer)
+            self.proc.join(1)
+            code = self.proc.exitcode
+            self.close(wait=0)
+            raise RuntimeError(f"benchmark worker died (exit code {code}; -9 is usually out of memory)") from None
 
     def result(self):
         """The answer of the call [`submit`] started (raises as [`call`] does)."""
@@ -367,7 +413,8 @@ class Worker:
         self.submit(name, *args)
         return self.result()
 
-    def close(self) -> None:
+    def close(self, wait: float = 10) -> None:
+        """Stop the child: ask it to end, and kill it if it has not within `wait` seconds."""
         if self.proc is None:
             self.obj = None
             return
@@ -375,7 +422,7 @@ class Worker:
             self.conn.send((None, ()))
         except (BrokenPipeError, OSError):
             pass
-        self.proc.join(10)
+        self.proc.join(wait)
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join()
@@ -418,7 +465,8 @@ DENSE_VARIANTS = {"dense": "speedup_vs_dense_mb1", "dense-mb8": "speedup_vs_dens
 
 
 def fill_ratios(rows: list[dict]) -> list[dict]:
-    """Add speed-ups over dense and `sparse`, fraction of ideal and memory relative to dense, per workload.
+    """Add speed-ups over dense, `sparse`, `trl-tree`, `sparse-flex` and `dense-ckpt`, fraction of ideal and memory
+    relative to dense, per workload.
 
     `speedup_vs_dense` and `fraction_of_ideal` are against the fastest plain dense variant (`DENSE_VARIANTS`) that ran
     on the workload, `speedup_vs_dense_mb1` / `speedup_vs_dense_mb8` against each variant, and `mem_vs_dense` against
@@ -433,7 +481,9 @@ def fill_ratios(rows: list[dict]) -> list[dict]:
         fastest = max(dense, key=lambda r: r["tokens_per_s"], default=None)
         leanest = min((r for r in dense if r.get("peak_mem_mb") is not None), key=lambda r: r["peak_mem_mb"],
                       default=None)
-        refs = {"speedup_vs_dense": fastest, "speedup_vs_sparse": methods.get("sparse")}
+        refs = {"speedup_vs_dense": fastest, "speedup_vs_sparse": methods.get("sparse"),
+                "speedup_vs_trl_tree": methods.get("trl-tree"), "speedup_vs_sparse_flex": methods.get("sparse-flex"),
+                "speedup_vs_dense_ckpt": methods.get("dense-ckpt")}
         refs.update({key: methods.get(m) for m, key in DENSE_VARIANTS.items()})
         for row in methods.values():
             tps = row.get("tokens_per_s")

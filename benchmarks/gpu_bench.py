@@ -12,20 +12,33 @@ python -m benchmarks.gpu_bench summary --out DIR                            # su
 then fails unless every planned row exists without an error). `--deadline` (epoch seconds): work that would end after
 it is skipped, with a row that says so.
 
-**Throughput** (`throughput.csv`). Methods, all under TRL's precision (float32 parameters, bf16 autocast):
+**Throughput** (`throughput.csv`). Methods, in this order (the ones that matter first: a method that does not fit
+before the step's deadline gets a `skipped` row), all under TRL's precision (float32 parameters, bf16 autocast):
 `dense-ckpt`, TRL's default dense path (micro-batches of 8 padded rows, `per_device_train_batch_size`; HF gradient
-checkpointing, `gradient_checkpointing=True`; TRL's fused LM head: `baselines/dense.py`); `dense`, the same without
-checkpointing (where it fits); `sparse`, the packed tree mask (`baselines/sparse.py`: the tree tokens in packed rows
-of at most 8,192, ancestor-or-self mask, block-sparse attention), the seed's "sparse" baseline; `dta-torch`,
-`dta-triton`, `DTAEngine.forward_backward` on the named attention backend, every graph kept.
+checkpointing, `gradient_checkpointing=True`; TRL's fused LM head: `baselines/dense.py`); `dta-torch`, `dta-triton`,
+`DTAEngine.forward_backward` on the named attention backend, every graph kept; `trl-tree`, TRL's own tree packing
+(`baselines/trl_tree.py`: TRL's `TreeRow` planner and packer, the whole batch in one row, flash-attn's varlen kernel
+where importable, else torch's, in place of FA3 from the kernels hub); `sparse-flex`, the packed tree under torch's
+compiled FlexAttention with the ancestor test's block mask, the whole tree in one row (`baselines/sparse.py`); `dense`,
+TRL's micro-batches of 8 padded rows without checkpointing (where it fits). `trl-tree` and `sparse-flex` are checked
+against the per-sequence oracle (the same model on each row alone) before they are timed (`oracle_ok`,
+`oracle_err`); the DTA rows carry the correctness step's verdict on their backend (`checked`).
 
 Workloads: `tau2-airline` (per-turn rows of real airline episodes, `workloads.tau2_airline`) and the GRPO batch
 `grpo-p1024-g16-c256`. One worker process per method (`common.Worker`; a fork server on CUDA) builds the model and its
 AdamW state once, then per workload runs one untimed warm-up step (Triton compilation, cuBLAS selection, the
-allocator's pools) and up to `STEPS` timed steps (CUDA events) within `STEP_BUDGET_S`; the best step is kept. Peak
+allocator's pools) and `STEPS` timed steps (CUDA events), the same number for every method; the best step is kept
+(the median beside it). Peak
 memory: the allocator's peak over the workload's steps above the model and optimizer state. Running out of memory is
 a result (an error row); the worker goes on with the next workload. Ratios per workload: `vs_dense_ckpt` (tokens/s
-over `dense-ckpt`'s: the seed's 8.31x is against this baseline), `vs_sparse` (the seed's 1.70x), `vs_dense`.
+over `dense-ckpt`'s: the seed's 8.31x is against this baseline), `vs_trl_tree`, `vs_sparse` (over `sparse-flex`: the
+seed's 1.70x was against a packed mask), `vs_dense`.
+
+**Deadlines.** `--deadline` (epoch seconds; `gpu_check.sh` passes each step's own end, also as
+`GPU_CHECK_STEP_DEADLINE`): a method whose worker would start too late, or does not answer before it, gets a row whose
+`error` starts with `skipped:` and the step goes on. `GPU_CHECK_SLOW_S` (seconds) makes every method sleep that long
+before its first workload: the dry run's rehearsal of a slow step (`GPU_CHECK_SLOW_S=100 bash
+benchmarks/gpu_check.sh --dry-run --only throughput-1.7b` shows the skipped rows).
 
 **Trainer** (`trainer.csv`): `benchmarks.bench_trainer.measure`, TRL's `GRPOTrainer` (`trl+ckpt`) and
 `DTAGRPOTrainer` (`dta+ckpt`) with TRL's defaults (bf16 autocast, gradient checkpointing, micro-batches of 8) on the
@@ -52,17 +65,20 @@ from trl_dta.flops import ModelShape, get_model_shape, ideal_ratio
 
 from . import common, workloads
 
-METHODS = ("dense-ckpt", "dense", "sparse", "dta-torch", "dta-triton")
+METHODS = ("dense-ckpt", "dta-torch", "dta-triton", "trl-tree", "sparse-flex", "dense")
+ORACLE_CHECKED = ("trl-tree", "sparse-flex")  # the DTA backends are checked by the correctness step
+BACKEND_OF = {"dta-torch": "torch", "dta-triton": "triton", "dta-flash": "flash"}
 WORKLOADS = ("tau2-airline", "grpo-p1024-g16-c256")
 TRAINER_METHODS = ("trl+ckpt", "dta+ckpt")
 PREFIX_METHODS = ("dta-sdpa", "dta-torch", "dta-triton")
 PRECISION = "bf16-autocast"
-STEPS, STEP_BUDGET_S = 3, 20.0  # timed steps per workload, and the time they may take (at least one runs)
+STEPS = 2  # timed steps per workload, the same for every method
 
 COLUMNS = ["step", "workload", "method", "model_shape", "precision", "device", "n_sequences", "n_tokens",
            "n_tree_tokens", "compression_ratio", "ideal_ratio", "warmup_s", "step_s", "median_step_s", "steps",
-           "tokens_per_s", "vs_dense_ckpt", "vs_sparse", "vs_dense", "vs_trl", "peak_mem_mb", "mem_vs_dense_ckpt",
-           "mem_vs_trl", "mem_vs_first", "loss", "description", "error"]
+           "tokens_per_s", "vs_dense_ckpt", "vs_trl_tree", "vs_sparse", "vs_dense", "vs_trl", "peak_mem_mb",
+           "mem_vs_dense_ckpt", "mem_vs_trl", "mem_vs_first", "loss", "micro_batches", "forward_tokens", "attention",
+           "oracle_ok", "oracle_err", "checked", "description", "error"]
 # The dry run's model: the real model's name with a `dry-` prefix, tiny dimensions.
 DRY_DIMS = dict(hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                 vocab_size=512)
@@ -124,8 +140,8 @@ def fill_ratios(row: dict, done: list[dict]) -> dict:
         return next((r for r in reversed(done) if r["method"] == method and r["workload"] == row["workload"]
                      and r["model_shape"] == row["model_shape"] and r.get("tokens_per_s")), None)
 
-    for key, method in (("vs_dense_ckpt", "dense-ckpt"), ("vs_sparse", "sparse"), ("vs_dense", "dense"),
-                        ("vs_trl", "trl+ckpt")):
+    for key, method in (("vs_dense_ckpt", "dense-ckpt"), ("vs_trl_tree", "trl-tree"), ("vs_sparse", "sparse-flex"),
+                        ("vs_dense", "dense"), ("vs_trl", "trl+ckpt")):
         other = ref(method)
         row[key] = _ratio(row.get("tokens_per_s"), other and other["tokens_per_s"])
     for key, method in (("mem_vs_dense_ckpt", "dense-ckpt"), ("mem_vs_trl", "trl+ckpt")):
@@ -178,7 +194,7 @@ class GridRun:
 
     def __init__(self, method: str, shape: ModelShape, device: str, precision: str = PRECISION,
                  threads: int | None = None, seed: int = 0):
-        from .bench_engine import PROVIDERS, MethodConfig
+        from .bench_engine import PROVIDERS, TRL_MICRO_BATCH_SIZE, MethodConfig
 
         common.set_threads(threads)
         self.method, self.shape, self.device, self.precision = method, shape, device, precision
@@ -187,7 +203,8 @@ class GridRun:
         torch.manual_seed(seed)
         self.model = common.build_model(shape, dtype, device, seed=seed)
         self.optimizer = common.make_optimizer(self.model)
-        self.provider = PROVIDERS[method](self.model, MethodConfig())
+        # `dense` and `dense-ckpt`: TRL's micro-batch of 8 padded rows; the tree methods: the whole tree in one row
+        self.provider = PROVIDERS[method](self.model, MethodConfig(micro_batch_size=TRL_MICRO_BATCH_SIZE))
         self.cuda = device.startswith("cuda")
         self.mem = common.PeakMemory(device)
 
@@ -202,8 +219,33 @@ class GridRun:
         self.optimizer.zero_grad(set_to_none=True)
         return out
 
-    def run(self, workload: workloads.Workload, steps: int = STEPS, budget_s: float = STEP_BUDGET_S) -> dict:
-        """One warm-up step, then timed steps (at least one, at most `steps`, while within `budget_s`): the row."""
+    def _accounting(self, stats: dict, n_rows: int) -> dict:
+        """Micro-batches, forwarded tokens (dense: padded; DTA: with its recomputed ones) and the attention run."""
+        from .baselines.dense import DenseProvider
+
+        if isinstance(self.provider, DenseProvider):
+            return dict(micro_batches=-(-n_rows // self.provider.micro_batch_size),
+                        forward_tokens=stats.get("padded_tokens"))
+        return dict(micro_batches=stats.get("micro_batches", 1), attention=stats.get("attention"),
+                    forward_tokens=stats.get("forward_tokens", 0) + stats.get("recomputed_tokens", 0))
+
+    def _oracle(self, seqs) -> list[torch.Tensor]:
+        """The per-sequence oracle's log-probs (each row alone, no padding) in this run's precision."""
+        from .baselines.sparse import _torch_logprobs
+
+        head, out = self.model.get_output_embeddings(), []
+        with torch.no_grad(), torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16,
+                                             enabled=self.autocast):
+            for s in seqs:
+                ids = s.to(self.device)[None]
+                hidden = self.model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
+                out.append(_torch_logprobs(hidden, head.weight, head.bias, ids[0, 1:], 1.0).float().cpu())
+        return out
+
+    def run(self, workload: workloads.Workload, steps: int = STEPS) -> dict:
+        """(`ORACLE_CHECKED` methods: the oracle's log-probs), one warm-up step (checked against them), then `steps`
+        timed steps: the row. `GPU_CHECK_SLOW_S` sleeps first (the rehearsal of a slow step)."""
+        time.sleep(float(os.environ.get("GPU_CHECK_SLOW_S", 0)))
         tree = workload.tree()
         row = dict(workload=workload.name, method=self.method, model_shape=self.shape.name, precision=self.precision,
                    device=self.device, n_sequences=tree.n_sequences, n_tokens=tree.n_tokens,
@@ -214,10 +256,18 @@ class GridRun:
         self.mem.reset()
         times, out = [], None
         try:
+            reference = self._oracle(seqs) if self.method in ORACLE_CHECKED else None
+            self.mem.reset()
             with _Timer(self.cuda) as warm:
-                self._step(seqs, loss_fn)
+                first = self._step(seqs, loss_fn)
             row["warmup_s"] = warm.seconds
-            while len(times) < steps and (not times or sum(times) + times[-1] <= budget_s):
+            if reference is not None:
+                from .oracle import ORACLE_TOL, oracle_error
+
+                row["oracle_err"] = oracle_error(first.logps, reference)
+                row["oracle_ok"] = int(row["oracle_err"] <= ORACLE_TOL["bf16" if self.autocast else self.precision])
+            row.update(self._accounting(first.stats, len(seqs)))
+            while len(times) < steps:
                 with _Timer(self.cuda) as t:
                     out = self._step(seqs, loss_fn)
                 times.append(t.seconds)
@@ -236,6 +286,23 @@ class GridRun:
         return row
 
 
+def mark_checked(row: dict, correctness: list[dict]) -> dict:
+    """`row["checked"]`: `ok`, or `FAILED: ...` when the row's backend failed a correctness check (`correctness.csv`)
+    or the method failed its oracle check; empty when nothing checked it. A failed row's `error` says so too."""
+    backend = BACKEND_OF.get(row.get("method"))
+    failed = [r for r in correctness if backend and r.get("backend") == backend and r.get("ok") != 1.0]
+    if failed:
+        cases = ", ".join(f"{r['family']}/{r['precision']}" for r in failed[:4])
+        row["checked"] = f"FAILED: backend {backend} failed the correctness step ({cases})"
+    elif row.get("oracle_ok") == 0:
+        row["checked"] = f"FAILED: its oracle check (log-prob error {row['oracle_err']:.3g})"
+    elif row.get("oracle_ok") == 1 or any(backend and r.get("backend") == backend for r in correctness):
+        row["checked"] = "ok"
+    if str(row.get("checked", "")).startswith("FAILED") and not row.get("error"):
+        row["error"] = row["checked"]
+    return row
+
+
 def _skipped(step: str, workload, method: str, shape: ModelShape, why: str) -> dict:
     return dict(step=step, workload=workload.name, method=method, model_shape=shape.name, error=f"skipped: {why}",
                 description=workload.description)
@@ -245,6 +312,7 @@ def run_methods(step: str, methods, grid, shape: ModelShape, device: str, path: 
                 threads: int | None, steps: int = STEPS, precision: str = PRECISION) -> list[dict]:
     """Every method on every workload of `grid` (one worker per method), each row appended to `path` at once."""
     done = [r for r in read_rows(path) if r.get("step") == step]
+    checks = read_rows(path.parent / "correctness.csv")
     for method in methods:
         left = deadline - time.time()
         if left < 15:
@@ -254,8 +322,10 @@ def run_methods(step: str, methods, grid, shape: ModelShape, device: str, path: 
         try:
             worker = common.Worker(GridRun, method, shape, device, precision, threads, timeout=left)
         except RuntimeError as e:
+            why = str(e).splitlines()[0]
+            why = "not started before the step's deadline" if "timed out" in why else "worker failed: " + why
             for w in grid:
-                append_row(path, _skipped(step, w, method, shape, "worker failed: " + str(e).splitlines()[0]))
+                append_row(path, _skipped(step, w, method, shape, why))
             continue
         try:
             for w in grid:
@@ -269,10 +339,14 @@ def run_methods(step: str, methods, grid, shape: ModelShape, device: str, path: 
                 try:
                     row = worker.call("run", w, steps)
                 except RuntimeError as e:  # timed out or died: the worker is gone
+                    why = str(e).strip().splitlines()[0][:300]
+                    if "timed out" in why:
+                        why = f"skipped: not done before the step's deadline ({left:.0f} s left at its start)"
                     row = dict(step=step, workload=w.name, method=method, model_shape=shape.name,
-                               description=w.description, error=str(e).strip().splitlines()[0][:300])
+                               description=w.description, error=why)
                     worker = None
                 row["step"] = step
+                mark_checked(row, checks)
                 fill_ratios(row, done)
                 done.append(row)
                 append_row(path, row)
@@ -374,6 +448,7 @@ def main(argv=None) -> None:
     p.add_argument("--expect", nargs="*", default=[],
                    help="summary: STEP=MODEL pairs a complete run has rows for (a dry run fails without them)")
     args = p.parse_args(argv)
+    args.deadline = min(args.deadline, float(os.environ.get("GPU_CHECK_STEP_DEADLINE") or math.inf))
     args.device = "cpu" if args.dry_run else "cuda"
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit("FAIL: no CUDA device; run with --dry-run on a CPU.")

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib
 import importlib.metadata
 import importlib.util
 import io
@@ -50,6 +51,9 @@ COLUMNS = ["family", "backend", "max_pack_tokens", "precision", "logp_err", "gra
            "dense_grad_err", "logp_ratio", "grad_ratio", "bar", "ok", "device"]
 # Carried to the GPU machine as wheels (benchmarks/gpu_requirements.txt): the versions the package is tested with.
 REQUIRED = {"transformers": "5.24", "trl": "1.16"}
+# Imported by the env step: every baseline row needs them (TRL's fused head imports `trl.trainer.utils`, which pulls
+# in datasets (pyarrow, fsspec) and peft), so a version mismatch on the device image fails here, in seconds.
+IMPORTED = ("datasets", "trl.trainer.utils", "peft", "trl.experimental.async_grpo.packing")
 
 
 def _say(msg: str) -> None:
@@ -86,7 +90,7 @@ def env(args) -> bool:
 
     ok = True
     _say(f"python {sys.version.split()[0]}  torch {torch.__version__} (CUDA {torch.version.cuda})")
-    for name in ("transformers", "trl", "datasets", "accelerate", "peft", "triton", "flash_attn", "pyarrow",
+    for name in ("transformers", "trl", "datasets", "accelerate", "peft", "triton", "flash_attn", "pyarrow", "fsspec",
                  "tokenizers", "huggingface_hub"):
         spec = importlib.util.find_spec(name)
         try:
@@ -95,6 +99,16 @@ def env(args) -> bool:
             version = getattr(sys.modules.get(name), "__version__", "?") if spec else None
         where = Path(spec.origin).parent.parent if spec and spec.origin else None
         _say(f"  {name:16s} {version or 'not installed':12s} {where or ''}")
+    for name in IMPORTED:
+        try:
+            module = importlib.import_module(name)
+        except Exception as e:  # an import error, or a version check of a dependency
+            _say(f"FAIL: import {name}: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}")
+            ok = False
+            continue
+        top = name.split(".")[0]
+        _say(f"  import {name:36s} ok ({top} {getattr(sys.modules[top], '__version__', '?')}, "
+             f"{Path(module.__file__).parent})")
     for name, minimum in REQUIRED.items():
         version = {"transformers": transformers.__version__, "trl": trl.__version__}[name]
         if tuple(int(x) for x in version.split(".")[:2]) < tuple(int(x) for x in minimum.split(".")):

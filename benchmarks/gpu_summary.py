@@ -13,6 +13,7 @@ from .gpu_bench import (
     PREFIX_METHODS,
     TRAINER_METHODS,
     WORKLOADS,
+    fill_ratios,
     prefix_workloads,
     read_rows,
     shape_of,
@@ -63,10 +64,17 @@ def summary(out: Path, expect: list[tuple[str, str]], dry_run: bool) -> None:
     dry run fail (SystemExit) if anything is missing."""
     parts = ["# GPU check: summary", ""]
     throughput_rows = read_rows(out / "throughput.csv")
+    for row in throughput_rows:  # against every reference row of the run (DTA's were written before the baselines')
+        fill_ratios(row, throughput_rows)
     parts += ["## Throughput (tokens/s of rollout tokens; ratios per workload)", "",
+              "Seconds per optimizer step (best and median of `steps`), ratios of tokens/s (`vs_sparse`: over "
+              "`sparse-flex`), the ideal FLOP ratio over dense, `checked`: the correctness step's verdict on a DTA "
+              "backend or the oracle check of `trl-tree` / `sparse-flex` (a failed one also fills `error`).", "",
               _table(throughput_rows, ["model_shape", "workload", "method", "n_tokens", "compression_ratio",
-                                       "tokens_per_s", "vs_dense_ckpt", "vs_sparse", "vs_dense", "peak_mem_mb",
-                                       "mem_vs_dense_ckpt", "error"]), ""]
+                                       "ideal_ratio", "step_s", "median_step_s", "steps", "tokens_per_s",
+                                       "vs_dense_ckpt", "vs_trl_tree", "vs_sparse", "vs_dense", "peak_mem_mb",
+                                       "mem_vs_dense_ckpt", "forward_tokens", "micro_batches", "loss", "checked",
+                                       "error"]), ""]
     parts += ["## Trainer step (TRL's defaults)", "",
               _table(read_rows(out / "trainer.csv"), ["model_shape", "workload", "method", "step_s", "tokens_per_s",
                                                       "vs_trl", "peak_mem_mb", "mem_vs_trl", "error"]), ""]

@@ -20,9 +20,14 @@ Every tree token does the linear work once, forward and backward, like DTA; the 
 
 * `attention="mask"`: the `(T, T)` boolean mask goes to SDPA as a 4D mask: every query scores all `T` keys of the
   row (what a dense kernel with a mask does; FlexAttention on GPU would skip empty blocks).
-* `attention="blocks"`: a block-sparse emulation of FlexAttention: queries in blocks of `block_size`; each block
-  gathers only the keys some query of it can see (its segments' ancestors), and runs SDPA on that `(B, K_b)`
-  sub-problem. Work per query is the block's ancestor set, close to the path length.
+* `attention="flex"` (the `sparse-flex` method): torch's FlexAttention (`torch.nn.attention.flex_attention`,
+  compiled on CUDA) with a `BlockMask` built from the same ancestor-or-self test (`tree_block_mask`): key blocks no
+  query of a block can see are skipped. torch 2.13 has no FlexAttention backward on CPU (`NotImplementedError`), so a
+  CPU run that needs gradients takes the `"blocks"` fallback below and says so (`stats["attention"]`); a CPU forward
+  without gradients runs FlexAttention eagerly.
+* `attention="blocks"` (the fallback, the `sparse-blocks` method): a block-sparse emulation of FlexAttention: queries
+  in blocks of `block_size`; each block gathers only the keys some query of it can see (its segments' ancestors), and
+  runs SDPA on that `(B, K_b)` sub-problem. Work per query is the block's ancestor set, close to the path length.
 
 Activations of all tree tokens of a micro-batch are alive at once (that is the memory DTA saves). Batches with more
 tree tokens than `max_tokens` are cut into micro-batches of whole sequences in lexicographic order (sharing
@@ -45,6 +50,9 @@ from trl_dta.tree import PrefixTree
 from .dense import ProviderOutput
 
 ATTENTION_NAME = "bench_tree_blocks"
+FLEX_ATTENTION_NAME = "bench_tree_flex"
+ATTENTIONS = ("mask", "blocks", "flex")
+CPU_FLEX_FALLBACK = "blocks (fallback: torch has no FlexAttention backward on CPU)"
 
 
 def tree_layout(tree: PrefixTree) -> dict[str, torch.Tensor]:
@@ -130,10 +138,50 @@ def _block_attention(module, query, key, value, attention_mask, scaling=None, dr
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 
+def tree_block_mask(layout: dict, device, block_size: int = 128):
+    """FlexAttention's `BlockMask` of the packed tree: the ancestor-or-self test of `tree_attention_mask` as its
+    `mask_mod`, over `(T, T)` in blocks of `block_size`."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    seg, end, depth = (layout[k].to(device) for k in ("segment", "subtree_end", "depth"))
+
+    def ancestor_or_self(b, h, q, kv):
+        return (seg[q] >= seg[kv]) & (seg[q] < end[kv]) & (depth[kv] <= depth[q])
+
+    T = seg.numel()
+    return create_block_mask(ancestor_or_self, None, None, T, T, device=device, BLOCK_SIZE=block_size)
+
+
+_COMPILED_FLEX = {}
+
+
+def _flex_fn(device_type: str):
+    """`flex_attention`, compiled on CUDA (the fused kernel), eager elsewhere (forward only on CPU)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device_type != "cuda":
+        return flex_attention
+    if "cuda" not in _COMPILED_FLEX:
+        _COMPILED_FLEX["cuda"] = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX["cuda"]
+
+
+def _flex_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, tree_block_mask=None,
+                    **kwargs):
+    """FlexAttention over a packed tree. `query`: `(1, H, T, D)`; returns `((1, T, H, D), None)`."""
+    if tree_block_mask is None:
+        raise ValueError(f"attention {FLEX_ATTENTION_NAME!r} needs the `tree_block_mask` keyword (use SparseProvider)")
+    key, value = key.to(query.dtype), value.to(query.dtype)
+    out = _flex_fn(query.device.type)(query, key, value, block_mask=tree_block_mask, scale=scaling,
+                                      enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
 def _register_block_attention() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION_NAME, _block_attention)
+    AttentionInterface.register(FLEX_ATTENTION_NAME, _flex_attention)
 
 
 def _torch_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor, temperature: float,
@@ -180,19 +228,21 @@ class SparseProvider:
 
     Args:
         model ([`~transformers.PreTrainedModel`]): a causal LM with a `model.model` backbone and an LM head.
-        attention (`str`, *optional*, defaults to `"blocks"`): `"mask"` (SDPA with the full `(T, T)` boolean mask) or
-            `"blocks"` (block-sparse gather, see the module docstring).
+        attention (`str`, *optional*, defaults to `"blocks"`): `"mask"` (SDPA with the full `(T, T)` boolean mask),
+            `"blocks"` (block-sparse gather) or `"flex"` (FlexAttention with a block mask; see the module docstring).
         block_size (`int`, *optional*, defaults to `256`): query block of `attention="blocks"`.
-        max_tokens (`int`, *optional*, defaults to `8192`): tree tokens per micro-batch.
+        max_tokens (`int`, *optional*, defaults to `8192`): tree tokens per micro-batch (None: the whole batch in
+            one packed row).
+        flex_block_size (`int`, *optional*, defaults to `128`): the block mask's block of `attention="flex"`.
         lm_head (`str`, *optional*, defaults to `"trl"`): `"trl"` (TRL's chunked kernel) or `"torch"` (exact in the
             model's dtype).
         temperature (`float`, *optional*, defaults to `1.0`): logits are divided by it.
     """
 
     def __init__(self, model, attention: str = "blocks", block_size: int = 256, max_tokens: int | None = 8192,
-                 lm_head: str = "trl", temperature: float = 1.0):
-        if attention not in ("mask", "blocks"):
-            raise ValueError(f"attention must be 'mask' or 'blocks', got {attention!r}")
+                 lm_head: str = "trl", temperature: float = 1.0, flex_block_size: int = 128):
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
         if lm_head not in ("trl", "torch"):
             raise ValueError(f"lm_head must be 'trl' or 'torch', got {lm_head!r}")
         self.model = model
@@ -201,7 +251,9 @@ class SparseProvider:
         self.max_tokens = max_tokens
         self.lm_head = lm_head
         self.temperature = temperature
-        if attention == "blocks":
+        self.flex_block_size = flex_block_size
+        self.ran = attention  # what the last forward ran (`stats["attention"]`)
+        if attention != "mask":
             _register_block_attention()
 
     @property
@@ -214,19 +266,27 @@ class SparseProvider:
         ids = layout["input_ids"].to(device)[None]
         position_ids = layout["depth"].to(device)[None]
         backbone = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
-        if self.attention == "mask":
+        attention = self.attention
+        if attention == "flex" and device.type != "cuda" and torch.is_grad_enabled():
+            attention = CPU_FLEX_FALLBACK
+        self.ran = attention
+        if attention == "mask":
             every = torch.arange(ids.shape[1])
             mask = _mask_rows(layout, every, every)
             hidden = backbone(input_ids=ids, position_ids=position_ids, attention_mask=mask[None, None].to(device),
                               use_cache=False).last_hidden_state[0]
         else:
-            plan = _block_plan(layout, self.block_size, device)
+            if attention == "flex":
+                name, extra = FLEX_ATTENTION_NAME, {"tree_block_mask": tree_block_mask(layout, device,
+                                                                                       self.flex_block_size)}
+            else:
+                name, extra = ATTENTION_NAME, {"tree_plan": _block_plan(layout, self.block_size, device)}
             previous = self.model.config._attn_implementation
-            self.model.set_attn_implementation(ATTENTION_NAME)
+            self.model.set_attn_implementation(name)
             try:
                 dummy = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)  # 4D: skips mask construction
                 hidden = backbone(input_ids=ids, position_ids=position_ids, attention_mask=dummy, use_cache=False,
-                                  tree_plan=plan).last_hidden_state[0]
+                                  **extra).last_hidden_state[0]
             finally:
                 self.model.set_attn_implementation(previous)
         parent = layout["parent_token"].to(device)
@@ -260,4 +320,5 @@ class SparseProvider:
             total += loss.item()
             tree_tokens += tree.n_tree_tokens
         return ProviderOutput(loss=total, logps=logps_out,
-                              stats={"micro_batches": len(batches), "forward_tokens": tree_tokens})
+                              stats={"micro_batches": len(batches), "forward_tokens": tree_tokens,
+                                     "attention": self.ran})
