@@ -55,7 +55,7 @@ GROUPS = (
     ("The analyzer", "`trl-dta analyze` and what it calls (reading rollouts, FLOP and memory estimates)",
      ("trl_dta/cli.py", "trl_dta/analysis/", "trl_dta/flops.py", "trl_dta/memory.py")),
     ("The embedded default and the package", "`trl_dta.tiny` (the recipes' tiny model and task), `import trl_dta`",
-     ("trl_dta/tiny.py", "trl_dta/__init__.py")),
+     ("trl_dta/tiny.py", "trl_dta/pretrained.py", "trl_dta/__init__.py")),
 )
 
 # Raised but not refusals: the environments' answers to the policy (a bad tool call or turn is answered with an error

@@ -144,7 +144,6 @@ def test_unscorable_rows_get_no_tree_advantage(model_dir, tokenizer, dataset, tm
     (dict(dta_tree_branching=[4, 2]), ValueError, "product of the branching factors"),
     (dict(dta_tree_branching=[2, 2]), ValueError, "set `dta_tree_segment_length`"),
     (dict(dta_tree_branching=[2, 2], dta_tree_segment_length=6), ValueError, "segment length below 6"),
-    (dict(dta_tree_branching=[2, 2], dta_tree_segment_length=2, use_vllm=True), ValueError, "vLLM"),
     (dict(dta_tree_branching=[2, 2], dta_tree_segment_length=2, cache_implementation="static"), ValueError,
      "cache_implementation"),
     (dict(dta_tree_branching=[2, 2], dta_tree_segment_length=2, use_transformers_continuous_batching=True),

@@ -29,6 +29,7 @@ PRIVATE_ATTRIBUTES = {
     "_tag_names": ("1.16.0", "the class's Hub tags, extended by the subclasses"),
     "_generate_and_score_completions": ("1.16.0", "called by the regrouping `_prepare_inputs` (and overridden)"),
     "_compute_loss": ("1.16.0", "TRL's objective of a micro-batch: called, and compared to see a subclass's own"),
+    "_last_loaded_step": ("1.16.0", "the optimizer step whose weights vLLM holds: read and written by a weight sync"),
 }
 
 # TRL's private hooks the trainers override (TRL calls them by name); each override delegates to TRL's with `super()`.
@@ -124,6 +125,18 @@ def summon_full_params(trainer):
 
 
 # ---------------------------------------------------------------------------------------------------- writes
+
+
+def sync_vllm_weights(trainer) -> None:
+    """TRL's weight sync before vLLM generates (its `_generate_single_turn` and `_generate` do the same): the policy's
+    weights pushed into the colocated engine (`vllm_generation.sync_weights`, which also resets its prefix cache) once
+    per optimizer step."""
+    from trl.extras.profiling import profiling_context
+
+    if trainer.state.global_step != trainer._last_loaded_step:  # TRL 1.16.0
+        with profiling_context(trainer, "sync_weights"):
+            trainer.vllm_generation.sync_weights()
+        trainer._last_loaded_step = trainer.state.global_step  # TRL 1.16.0
 
 
 @contextlib.contextmanager
