@@ -66,6 +66,16 @@ SAMPLING_FIELDS: dict[str, tuple[str, Any, Callable[[Any], Any]]] = {
 }
 
 
+# GenerationConfig fields of transformers' own processors, which vLLM's SamplingParams do not have -> the value at which
+# they do nothing (besides unset); set otherwise, they are refused rather than dropped.
+TRANSFORMERS_ONLY = {name: None for name in (
+    "sequence_bias", "bad_words_ids", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "suppress_tokens",
+    "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty",
+    "stop_strings", "watermarking_config", "top_h")}
+TRANSFORMERS_ONLY.update(encoder_repetition_penalty=1.0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0,
+                         guidance_scale=1.0)
+
+
 def sampling_params(settings: GenerationConfig, max_tokens: int, extra: dict | None = None, seed: int | None = None):
     """vLLM's `SamplingParams` of one request: `settings` mapped through [`SAMPLING_FIELDS`], `max_tokens`, the
     sampled token's log-prob (`logprobs=0`), then `extra` (vLLM's own arguments, e.g. TRL's `generation_kwargs`) over
@@ -85,6 +95,11 @@ def sampling_params(settings: GenerationConfig, max_tokens: int, extra: dict | N
     if getattr(settings, "output_logits", False):
         raise ValueError("vLLM returns no raw logits of the sampled tokens: generate with transformers "
                          "(`use_vllm=False`) where `output_logits=True` is needed.")
+    for name, inert in TRANSFORMERS_ONLY.items():
+        if getattr(settings, name, None) not in (None, inert):
+            raise ValueError(f"`{name}` is a transformers `generate` setting that vLLM's `SamplingParams` do not have: "
+                             "pass vLLM's own arguments in `generation_kwargs` (e.g. `logit_bias`, `bad_words`), or "
+                             "generate with transformers (`use_vllm=False`).")
     kwargs: dict[str, Any] = {}
     for field, (name, unset, convert) in SAMPLING_FIELDS.items():
         value = getattr(settings, field, None)
