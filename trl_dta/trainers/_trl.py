@@ -11,7 +11,7 @@ entry of [`PRIVATE_ATTRIBUTES`] and [`OVERRIDDEN_HOOKS`] names what to check (an
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -41,6 +41,11 @@ OVERRIDDEN_HOOKS = {
     "_generate_and_score_completions": ("1.16.0", "`grpo.py`: tree advantages after TRL's scoring; `phases.py`: timed"),
     "_generate": ("1.16.0", "`phases.py`: the rollouts' sampling, timed"),
     "_tag_names": ("1.16.0", "`grpo.py`, `rloo.py`: TRL's tags plus 'trl-dta'"),
+}
+
+# TRL's module-level names replaced for the duration of a call (dotted name -> TRL version, what for).
+REPLACED_GLOBALS = {
+    "trl.generation.vllm_generation.LLM": ("1.16.0", "colocate mode's engine built with the CPU settings"),
 }
 
 
@@ -159,3 +164,20 @@ def unlogged(trainer) -> Iterator[None]:
                 del per_mode[name][length:]
         for name, value in controller.items():  # GRPO's `_compute_loss` sets them at a window's last micro-step
             setattr(trainer, name, value)
+
+
+@contextlib.contextmanager
+def vllm_engine_builder(wrap: Callable[[Callable[..., object]], Callable[..., object]]) -> Iterator[None]:
+    """Within the block, TRL's colocate mode builds its engine with `wrap(previous)(**kwargs)`, `kwargs` being what it
+    passes to `vllm.LLM` and `previous` the builder in place before (`vllm.LLM`, or an outer block's). TRL 1.16.0
+    passes no `enforce_eager` or `dtype` and has no option for them: the trainers wrap their construction in this to
+    add vLLM's CPU settings (`generation/vllm_cpu.py`); tests, outside, hand one session engine to every trainer (TRL
+    syncs the trainer's weights into it before its first generation)."""
+    from trl.generation import vllm_generation
+
+    trl_build = vllm_generation.LLM  # TRL 1.16.0: `VLLMGeneration._init_vllm` calls `LLM(...)` by this module name
+    vllm_generation.LLM = wrap(trl_build)  # TRL 1.16.0
+    try:
+        yield
+    finally:
+        vllm_generation.LLM = trl_build  # TRL 1.16.0
