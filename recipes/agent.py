@@ -336,8 +336,9 @@ def embedded_tokenizer(script_args: AgentScriptArguments):
 def prepare_embedded_model(script_args: AgentScriptArguments, training_args: DTAGRPOConfig, tokenizer,
                            max_positions: int) -> str:
     """Writes the embedded tiny model (`max_positions` positions, a whole episode) and its tokenizer under
-    `output_dir`, so that TRL can reload it by path (the reference model when `beta > 0` without PEFT). The local main
-    process writes it; the others wait."""
+    `output_dir`, so that TRL can reload it by path (the reference model when `beta > 0` without PEFT), and vLLM
+    (`--use_vllm true`) can load it: then with 2 query heads, a head size of 32 (vLLM's CPU attention has no head size
+    16, the default 4 heads'). The local main process writes it; the others wait."""
     from accelerate import PartialState
 
     model_dir = Path(training_args.output_dir) / "initial_model"
@@ -345,6 +346,7 @@ def prepare_embedded_model(script_args: AgentScriptArguments, training_args: DTA
         if PartialState().is_local_main_process:
             tiny.build_model(tokenizer, hidden_size=script_args.tiny_hidden_size,
                              num_hidden_layers=script_args.tiny_num_hidden_layers,
+                             num_attention_heads=2 if training_args.use_vllm else 4,
                              max_position_embeddings=max_positions, seed=training_args.seed).save_pretrained(model_dir)
             tokenizer.save_pretrained(model_dir)
     return str(model_dir)
