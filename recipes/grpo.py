@@ -103,6 +103,9 @@ class GRPOScriptArguments(ScriptArguments):
             Width of the embedded model.
         tiny_num_hidden_layers (`int`, *optional*, defaults to `2`):
             Depth of the embedded model.
+        tiny_num_attention_heads (`int`, *optional*):
+            Query heads of the embedded model. Defaults to 4 (head size 16), and to 2 (head size 32) with `--use_vllm
+            true`: vLLM's CPU attention runs head sizes 32, 64, 80, ..., not 16.
         summary_window (`int`, *optional*, defaults to `5`):
             Number of first and last logged steps whose mean rewards the summary compares.
         console_steps (`int`, *optional*):
@@ -131,6 +134,11 @@ class GRPOScriptArguments(ScriptArguments):
     )
     tiny_hidden_size: int = field(default=64, metadata={"help": "Width of the embedded model."})
     tiny_num_hidden_layers: int = field(default=2, metadata={"help": "Depth of the embedded model."})
+    tiny_num_attention_heads: int | None = field(
+        default=None,
+        metadata={"help": "Query heads of the embedded model. Defaults to 4 (head size 16), and to 2 (head size 32) "
+                  "with `--use_vllm true`: vLLM's CPU attention runs head sizes 32, 64, 80, ..., not 16."},
+    )
     summary_window: int = field(
         default=5,
         metadata={"help": "Number of first and last logged steps whose mean rewards the summary compares."},
@@ -167,6 +175,14 @@ def load_reward_funcs(names: list[str]) -> list:
     return funcs
 
 
+def tiny_heads(script_args: GRPOScriptArguments, training_args: DTAGRPOConfig) -> int:
+    """The embedded model's query heads: `--tiny_num_attention_heads`, else 4, or 2 with vLLM (head size 32 of the
+    64-wide model; vLLM's CPU attention has no head size 16)."""
+    if script_args.tiny_num_attention_heads is not None:
+        return script_args.tiny_num_attention_heads
+    return 2 if training_args.use_vllm else 4
+
+
 def prepare_embedded(script_args: GRPOScriptArguments, training_args: DTAGRPOConfig, model_args: ModelConfig):
     """Writes the embedded tiny model and tokenizer under `output_dir` and builds the arithmetic dataset.
 
@@ -182,6 +198,7 @@ def prepare_embedded(script_args: GRPOScriptArguments, training_args: DTAGRPOCon
                 model_dir,
                 hidden_size=script_args.tiny_hidden_size,
                 num_hidden_layers=script_args.tiny_num_hidden_layers,
+                num_attention_heads=tiny_heads(script_args, training_args),
                 seed=training_args.seed,
             )
     model_args.model_name_or_path = str(model_dir)

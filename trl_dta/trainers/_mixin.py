@@ -60,7 +60,7 @@ from .micro_batches import (
 )
 from .step_forest import Cadence, buffered_window
 from .support import check_policy, check_schedule
-from .vllm_engine import check_vllm_mode, colocated_engine
+from .vllm_engine import check_vllm_mode, close_colocated_engine, colocated_engine
 from .window import HookState, WindowContext, as_trl_head_output, decide, run_window
 
 
@@ -92,6 +92,12 @@ class DTATrainerMixin:
         with colocated_engine(self, args):  # vLLM's CPU settings; a no-op without colocated vLLM or on a GPU
             super().__init__(model, reward_funcs, args, *extra, **kwargs)
         self._dta_post_init()
+
+    def end(self):
+        """transformers' `Trainer.end` (trackers finished, the process group destroyed), the colocated vLLM engine
+        shut down first (`vllm_engine.close_colocated_engine`)."""
+        close_colocated_engine(self)
+        return super().end()
 
     # ------------------------------------------------------------------ construction
 

@@ -29,7 +29,7 @@ def colocated_engine(trainer, args) -> contextlib.AbstractContextManager:
 
     def wrap(previous):
         def build(**kwargs):
-            extra = vllm_cpu.engine_arguments(trainer.model.dtype)
+            extra = vllm_cpu.engine_arguments(trainer.model.dtype, trainer.model.config)
             with vllm_cpu.keeping_torch_threads():
                 return previous(**{**kwargs, **extra})
 
@@ -45,3 +45,13 @@ def check_vllm_mode(args) -> None:
         from ..generation.vllm_cpu import check_server_mode
 
         check_server_mode(args.vllm_mode)
+
+
+def close_colocated_engine(trainer) -> None:
+    """Shuts the trainer's colocated engine down (once; later calls do nothing). `Trainer.end()` destroys the
+    distributed process group that the engine's own groups were made in; vLLM's shutdown at interpreter exit then
+    fails with `ValueError: Invalid process group specified` (`destroy_model_parallel`), so the trainers close the
+    engine first."""
+    generation = getattr(trainer, "vllm_generation", None)
+    if generation is not None and getattr(trainer.args, "vllm_mode", None) == "colocate":
+        generation.llm.llm_engine.engine_core.shutdown()  # vLLM 0.32: `InprocClient.shutdown`, idempotent
