@@ -380,8 +380,9 @@ def embedded_tokenizer(script_args: AgentScriptArguments):
 def prepare_embedded_model(script_args: AgentScriptArguments, training_args: DTAGRPOConfig, tokenizer,
                            max_positions: int) -> str:
     """Writes the embedded tiny model (`max_positions` positions, a whole episode) and its tokenizer under
-    `output_dir`, so that TRL can reload it by path (the reference model when `beta > 0` without PEFT). The local main
-    process writes it; the others wait."""
+    `output_dir`, so that TRL can reload it by path (the reference model when `beta > 0` without PEFT), and vLLM
+    (`--use_vllm true`) can load it: then with 2 query heads, a head size of 32 (vLLM's CPU attention has no head size
+    16, the default 4 heads'). The local main process writes it; the others wait."""
     from accelerate import PartialState
 
     model_dir = Path(training_args.output_dir) / "initial_model"
@@ -389,6 +390,7 @@ def prepare_embedded_model(script_args: AgentScriptArguments, training_args: DTA
         if PartialState().is_local_main_process:
             tiny.build_model(tokenizer, hidden_size=script_args.tiny_hidden_size,
                              num_hidden_layers=script_args.tiny_num_hidden_layers,
+                             num_attention_heads=2 if training_args.use_vllm else 4,
                              max_position_embeddings=max_positions, seed=training_args.seed).save_pretrained(model_dir)
             tokenizer.save_pretrained(model_dir)
     return str(model_dir)
@@ -419,7 +421,7 @@ STEP_SPLIT = {"step_s": "step_time", "generation_s": "dta/rollout_generation_s",
 
 
 def summarize(log_history: list[dict], steps: int, wall_time: float, window: int, layout: str,
-              num_processes: int = 1, info: dict | None = None) -> dict:
+              num_processes: int = 1, info: dict | None = None, generation: str = "transformers") -> dict:
     """The run's summary from the trainer's logged metrics.
 
     Args:
@@ -431,21 +433,24 @@ def summarize(log_history: list[dict], steps: int, wall_time: float, window: int
         num_processes (`int`, *optional*, defaults to `1`): processes of the run (the token counts are this
             process's).
         info (`dict`, *optional*): the workload's (`Workload.info`): domain, tasks, system prompt, tools, budget.
+        generation (`str`, *optional*, defaults to `"transformers"`): what sampled the rollouts: `"vllm"`
+            (`use_vllm=True`) or `"transformers"`.
 
     Returns:
         `dict`: `steps`, `processes`, `layout`, `wall_s`, `reward_first`, `reward_last` (means over the first and last
         `window` logged steps, at most half of them each), `rewards` (the same per reward function), `rewards_steps`
         (logged steps), `frac_reward_zero_std` (mean over logged steps: the share of groups without a learning
         signal), `compression_ratio` (the step forests', mean over logged steps), `compression_ratio_micro_batch`,
-        `tokens` and `tree_tokens` (per forest), `forward_tokens`, `rollout_tokens` and `rollout_forward_tokens` (per
-        rollout), the step's split in seconds (`STEP_SPLIT`), the workload's `info` keys, `peak_rss_gb`. Values a run
-        did not log are `None`.
+        `tokens` and `tree_tokens` (per forest), `forward_tokens`, `rollout_tokens`, `rollout_forward_tokens` and
+        `rollout_cached_tokens` (per rollout; the last with vLLM only), `generation`, the step's split in seconds
+        (`STEP_SPLIT`), the workload's `info` keys, `peak_rss_gb`. Values a run did not log are `None`.
     """
     logs = [entry for entry in log_history if "reward" in entry]
     k = max(1, min(window, len(logs) // 2))
     names = sorted({key[len("rewards/"):-len("/mean")] for entry in logs for key in entry
                     if key.startswith("rewards/") and key.endswith("/mean")})
     summary = {
+        "generation": generation,
         "steps": steps,
         "processes": num_processes,
         "layout": layout,
@@ -458,7 +463,7 @@ def summarize(log_history: list[dict], steps: int, wall_time: float, window: int
         "frac_reward_zero_std": _mean(logs, "frac_reward_zero_std"),
     }
     for key in ("compression_ratio", "compression_ratio_micro_batch", "tokens", "tree_tokens", "forward_tokens",
-                "rollout_tokens", "rollout_forward_tokens"):
+                "rollout_tokens", "rollout_forward_tokens", "rollout_cached_tokens"):
         summary[key] = _mean(logs, f"dta/{key}")
     for key, metric in STEP_SPLIT.items():
         summary[key] = _mean(logs, metric)
@@ -474,6 +479,7 @@ def format_summary(summary: dict) -> str:
 
     lines = ["=" * 26 + " trl-dta agent summary " + "=" * 26,
              f"domain: {summary.get('domain', 'standin')}    layout: {summary['layout']}    steps: {summary['steps']}"
+             f"    generation: {summary.get('generation', 'transformers')}"
              f"    processes: {summary['processes']}    wall time: {summary['wall_s']:.1f} s"]
     k = summary["rewards_steps"]
     delta = None if summary["reward_first"] is None else summary["reward_last"] - summary["reward_first"]
@@ -488,8 +494,10 @@ def format_summary(summary: dict) -> str:
         ("DTA training", "dta_train_s")))
     lines.append(f"step: {num(summary['step_s'], '.1f')} s = {split} (+ TRL's bookkeeping)")
     if summary["rollout_tokens"] is not None:
+        cached = summary.get("rollout_cached_tokens")
         lines.append(f"rollout: {summary['rollout_tokens']:.0f} episode tokens, "
-                     f"{num(summary['rollout_forward_tokens'], '.0f')} forwarded while generating")
+                     f"{num(summary['rollout_forward_tokens'], '.0f')} forwarded while generating"
+                     + ("" if cached is None else f", {cached:.0f} from vLLM's prefix cache"))
     if summary["compression_ratio"] is not None:
         lines.append(f"training forest: {summary['tokens']:.0f} tokens as {summary['tree_tokens']:.0f} tree tokens "
                      f"({summary['compression_ratio']:.1f}x; each micro-batch alone "
@@ -556,7 +564,8 @@ def main(script_args: AgentScriptArguments, training_args: DTAGRPOConfig, model_
     trainer.save_model(training_args.output_dir)
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}")
     summary = summarize(trainer.state.log_history, trainer.state.global_step, wall_time, script_args.summary_window,
-                        training_args.dta_sample_layout, trainer.accelerator.num_processes, workload.info)
+                        training_args.dta_sample_layout, trainer.accelerator.num_processes, workload.info,
+                        generation="vllm" if training_args.use_vllm else "transformers")
     if trainer.accelerator.is_main_process:  # every logged step's metrics, for curves (the summary keeps means)
         Path(training_args.output_dir, "log_history.json").write_text(json.dumps(trainer.state.log_history))
     trainer.accelerator.print(format_summary(summary))

@@ -133,6 +133,9 @@ class GRPOScriptArguments(ScriptArguments):
             Word-problem kinds, from `+`, `-`, `*`.
         word_problem_num_shots (`int`, *optional*, defaults to `1`):
             Solved word problems (user / assistant turns) before the question.
+        tiny_num_attention_heads (`int`, *optional*):
+            Query heads of the embedded model. Defaults to 4 (head size 16), and to 2 (head size 32) with `--use_vllm
+            true`: vLLM's CPU attention runs head sizes 32, 64, 80, ..., not 16.
         summary_window (`int`, *optional*, defaults to `5`):
             Number of first and last logged steps whose mean rewards the summary compares.
         console_steps (`int`, *optional*):
@@ -171,6 +174,11 @@ class GRPOScriptArguments(ScriptArguments):
     word_problem_num_shots: int = field(
         default=1, metadata={"help": "Solved word problems (user / assistant turns) before the question."}
     )
+    tiny_num_attention_heads: int | None = field(
+        default=None,
+        metadata={"help": "Query heads of the embedded model. Defaults to 4 (head size 16), and to 2 (head size 32) "
+                  "with `--use_vllm true`: vLLM's CPU attention runs head sizes 32, 64, 80, ..., not 16."},
+    )
     summary_window: int = field(
         default=5,
         metadata={"help": "Number of first and last logged steps whose mean rewards the summary compares."},
@@ -207,6 +215,14 @@ def load_reward_funcs(names: list[str]) -> list:
     return funcs
 
 
+def tiny_heads(script_args: GRPOScriptArguments, training_args: DTAGRPOConfig) -> int:
+    """The embedded model's query heads: `--tiny_num_attention_heads`, else 4, or 2 with vLLM (head size 32 of the
+    64-wide model; vLLM's CPU attention has no head size 16)."""
+    if script_args.tiny_num_attention_heads is not None:
+        return script_args.tiny_num_attention_heads
+    return 2 if training_args.use_vllm else 4
+
+
 def prepare_embedded(script_args: GRPOScriptArguments, training_args: DTAGRPOConfig, model_args: ModelConfig):
     """Writes the embedded tiny model and tokenizer under `output_dir` and builds the arithmetic dataset.
 
@@ -222,6 +238,7 @@ def prepare_embedded(script_args: GRPOScriptArguments, training_args: DTAGRPOCon
                 model_dir,
                 hidden_size=script_args.tiny_hidden_size,
                 num_hidden_layers=script_args.tiny_num_hidden_layers,
+                num_attention_heads=tiny_heads(script_args, training_args),
                 seed=training_args.seed,
             )
     model_args.model_name_or_path = str(model_dir)

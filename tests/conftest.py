@@ -154,6 +154,36 @@ def smollm2_dir(tmp_path_factory):
     return pretrained_folder(cache_dir=tmp_path_factory.mktemp("trl_dta_cache"))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `vllm` are skipped, with the install command as the reason, where vLLM is not installed."""
+    from trl_dta.generation.vllm_cpu import vllm_available
+
+    if vllm_available():
+        return
+    from vllm_engines import SKIP_REASON
+
+    for item in items:
+        if "vllm" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir(tmp_path_factory) -> str:
+    """The vLLM tests' model folder (`tests/vllm_engines.py`: tiny Qwen2, head size 32, character tokenizer)."""
+    from vllm_engines import build_model_dir
+
+    return str(build_model_dir(tmp_path_factory.mktemp("vllm_model")))
+
+
+@pytest.fixture(scope="session")
+def vllm_engines(vllm_model_dir):
+    """The session's vLLM engines of `vllm_model_dir` (`VLLMEngines`: `.get(dtype)`, `.shared(dtype)` around a
+    trainer's construction), one per dtype for the whole session."""
+    from vllm_engines import VLLMEngines
+
+    return VLLMEngines(vllm_model_dir)
+
+
 @pytest.fixture(autouse=True)
 def _bounds_test_id(request):
     """Tells `bounds.RECORD` which test a relative comparison belongs to."""

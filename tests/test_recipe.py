@@ -206,3 +206,17 @@ def test_two_process_cpu_launch(tmp_path):
     assert 4.0 < summary["ratio"] < 8.0
     assert "groups balanced over 2 processes" in result.stdout
     _assert_readable_console(result, steps=2)
+
+
+@pytest.mark.vllm
+def test_vllm_colocated_run(tmp_path):
+    """`--use_vllm true` on a CPU: TRL's colocated engine with the CPU settings (`generation/vllm_cpu.py`), the
+    embedded model with head size 32 (vLLM's CPU attention has no 16), a clean exit (the engine shut down before
+    `Trainer.end` destroys the process group)."""
+    out = tmp_path / "vllm"
+    result = run([sys.executable, str(RECIPE), "--use_vllm", "true", "--max_steps", "2", "--tiny_num_rows", "32",
+                  "--output_dir", str(out)])
+    summary = _summary(result)
+    assert summary["steps"] == 2 and 4.0 < summary["ratio"] < 8.0
+    assert "Invalid process group" not in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert '"num_attention_heads": 2' in (out / "initial_model" / "config.json").read_text()

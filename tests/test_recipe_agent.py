@@ -57,18 +57,25 @@ def test_summary_reads_the_logged_metrics(recipe):
                                info={"domain": "standin", "tools": 6, "prompt_tokens": [500, 520]})
     rss = summary.pop("peak_rss_gb")
     assert rss > 0
-    assert summary == {"steps": 6, "processes": 2, "layout": "per_turn", "wall_s": 12.0,
+    assert summary == {"generation": "transformers", "steps": 6, "processes": 2, "layout": "per_turn", "wall_s": 12.0,
                        "reward_first": pytest.approx(0.15), "reward_last": pytest.approx(0.65),
                        "rewards": {"format_reward": [pytest.approx(0.3), pytest.approx(1.3)]}, "rewards_steps": 2,
                        "frac_reward_zero_std": pytest.approx(1 / 6),
                        "compression_ratio": 8.0, "compression_ratio_micro_batch": 5.0, "tokens": 4000.0,
                        "tree_tokens": 500.0, "forward_tokens": 520.0, "rollout_tokens": 900.0,
-                       "rollout_forward_tokens": 300.0, "step_s": 4.0, "generation_s": 2.0, "env_s": 0.5,
+                       "rollout_forward_tokens": 300.0, "rollout_cached_tokens": None, "step_s": 4.0,
+                       "generation_s": 2.0, "env_s": 0.5,
                        "reward_s": 0.25, "dta_train_s": 1.0, "domain": "standin", "tools": 6}
     block = recipe.format_summary({**summary, "peak_rss_gb": rss})
     assert "reward (mean of the first / last 2 logged steps): 0.150 -> 0.650 (+0.500)" in block
     assert "format_reward: 0.300 -> 1.300" in block and "frac_reward_zero_std, mean): 0.17" in block
     assert "step: 4.0 s = generation 2.0 s, tools and users 0.5 s, grading 0.2 s, DTA training 1.0 s" in block
+    assert "generation: transformers" in block and "prefix cache" not in block
+    logs[0]["dta/rollout_cached_tokens"] = 600.0
+    vllm = recipe.summarize(logs, steps=6, wall_time=1.0, window=2, layout="per_turn", generation="vllm")
+    assert vllm["generation"] == "vllm" and vllm["rollout_cached_tokens"] == 600.0
+    assert "generation: vllm" in recipe.format_summary(vllm) and "600 from vLLM's prefix cache" in \
+        recipe.format_summary(vllm)
     dense = recipe.summarize([{"reward": 0.1}, {"reward": 0.2}], steps=2, wall_time=1.0, window=5, layout="episode")
     assert dense["reward_first"] == 0.1 and dense["reward_last"] == 0.2 and dense["compression_ratio"] is None
     assert "n/a" in recipe.format_summary(dense)

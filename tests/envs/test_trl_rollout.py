@@ -90,3 +90,46 @@ def test_tool_env_as_trl_sees_it(domain):
     assert env.get_reward() == 0.0
     with pytest.raises(RuntimeError, match="reset"):
         RetailToolEnv(domain).get_user(user="u1")
+
+
+@pytest.mark.vllm
+def test_rollout_func_through_vllm_plays_the_transformers_turns(domain, tmp_path, monkeypatch, vllm_engines):
+    """`AgentRolloutFunc` in a `GRPOTrainer(use_vllm=True, vllm_mode="colocate")` (the session's float32 engine): each
+    turn one `generate` call of the trainer's engine. Greedy (vLLM's `temperature=0`; transformers' `do_sample=False`)
+    the episodes equal those of transformers' generation token for token; the log-probs are vLLM's; the shared system
+    prompt's blocks come from vLLM's prefix cache (`dta/rollout_cached_tokens`), so fewer tokens are forwarded than the
+    episodes hold."""
+    import torch
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    tokenizer = AutoTokenizer.from_pretrained(vllm_engines.model_dir)
+    rollout = AgentRolloutFunc(domain, max_turns=3, max_tokens=800)
+    runs = {}
+    for name, vllm in (("transformers", dict(generation_kwargs={"do_sample": False})),
+                       ("vllm", dict(use_vllm=True, vllm_mode="colocate", generation_kwargs={"temperature": 0.0}))):
+        returned = []
+
+        def recording_rollout(prompts, trainer, returned=returned):
+            returned.append(rollout(prompts, trainer))
+            return returned[-1]
+
+        args = GRPOConfig(output_dir=str(tmp_path / name), report_to="none", use_cpu=True, bf16=False, max_steps=1,
+                          per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+                          logging_steps=1, save_strategy="no", **vllm)
+        with vllm_engines.shared(torch.float32):
+            trainer = GRPOTrainer(model=vllm_engines.model_dir, reward_funcs=episode_reward, args=args,
+                                  train_dataset=build_dataset(domain, 2), processing_class=tokenizer,
+                                  rollout_func=recording_rollout)
+            trainer.train()
+        runs[name] = returned[0], trainer.state.log_history[0]
+    (ref, ref_log), (out, log) = runs["transformers"], runs["vllm"]
+    assert out["prompt_ids"] == ref["prompt_ids"] and out["completion_ids"] == ref["completion_ids"]
+    assert out["env_mask"] == ref["env_mask"]
+    for completion, logprobs, mask in zip(out["completion_ids"], out["logprobs"], out["env_mask"]):
+        assert len(logprobs) == len(completion)
+        assert all(lp <= 0.0 for lp, m in zip(logprobs, mask) if m)  # greedy: the processed distribution's argmax
+    assert "dta/rollout_cached_tokens" not in ref_log and log["dta/rollout_cached_tokens"] > 0
+    assert log["dta/rollout_forward_tokens"] + log["dta/rollout_cached_tokens"] >= log["dta/rollout_tokens"]
+    assert log["dta/rollout_forward_tokens"] < log["dta/rollout_tokens"]

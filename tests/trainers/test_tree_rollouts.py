@@ -144,7 +144,6 @@ def test_unscorable_rows_get_no_tree_advantage(model_dir, tokenizer, dataset, tm
     (dict(dta_tree_branching=[4, 2]), ValueError, "product of the branching factors"),
     (dict(dta_tree_branching=[2, 2]), ValueError, "set `dta_tree_segment_length`"),
     (dict(dta_tree_branching=[2, 2], dta_tree_segment_length=6), ValueError, "segment length below 6"),
-    (dict(dta_tree_branching=[2, 2], dta_tree_segment_length=2, use_vllm=True), ValueError, "vLLM"),
     (dict(dta_tree_branching=[2, 2], dta_tree_segment_length=2, cache_implementation="static"), ValueError,
      "cache_implementation"),
     (dict(dta_tree_branching=[2, 2], dta_tree_segment_length=2, use_transformers_continuous_batching=True),
@@ -244,3 +243,47 @@ def test_vision_language_models_are_refused(model_dir, tokenizer, dataset, tmp_p
     trainer._is_vlm = True
     with pytest.raises(ValueError, match="vision-language"):
         TreeRollouts.from_trainer(trainer)
+
+
+# ------------------------------------------------------------------------------------------------------------ vLLM
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("advantage", ["group", "tree"])
+def test_dta_equals_dense_on_the_same_vllm_trees(vllm_engines, dataset, tmp_path, advantage):
+    """Tree rollouts through the trainer's colocated vLLM engine (`use_vllm=True`; the session's float32 engine, TRL
+    syncing the weights into it before each step's trees): DTA equals TRL's dense path on the same trees in float64,
+    both runs sample the same trees (vLLM's unseeded sampling draws from torch's generator, seeded by each run), the
+    trees share their first segments, the sampling log-probs are vLLM's (TRL's importance-sampling ratio is logged)
+    and the engine's prefix-cache counter is logged."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(vllm_engines.model_dir)
+    config = dict(TREE, dta_tree_advantage=advantage, max_completion_length=8, precision="fp64", use_vllm=True,
+                  vllm_mode="colocate", generation_kwargs={})
+    with vllm_engines.shared(torch.float32) as engine:
+        ref = train(DTAGRPOTrainer, DTAGRPOConfig, vllm_engines.model_dir, tokenizer, dataset, tmp_path / "ref",
+                    dta_enabled=False, **config)
+        dta = train(DTAGRPOTrainer, DTAGRPOConfig, vllm_engines.model_dir, tokenizer, dataset, tmp_path / "dta",
+                    **config)
+    assert dta.trainer.vllm_generation.llm is engine
+    assert dta.completions == ref.completions and len({tuple(c) for c in dta.completions}) > len(dta.completions) // 2
+    assert any(log["dta/generation_compression"] > 1.0 for log in dta.logs)
+    assert all("dta/generation_cached_tokens" in log and "sampling/importance_sampling_ratio/min" in log
+               for log in dta.logs)
+    assert all(abs(log["sampling/importance_sampling_ratio/min"] - 1) < 1e-3 for log in dta.logs)  # float32 vLLM
+    print(f"worst relative errors: {assert_equivalent(ref, dta)}")
+
+
+@pytest.mark.vllm
+def test_vllm_tree_rollouts_refuse_what_they_cannot_sample(vllm_engines, dataset, tmp_path):
+    """Through vLLM, `generation_kwargs` that depend on where a request starts (a fixed `seed`: every child the same)
+    are refused at construction, naming the allowed ones."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(vllm_engines.model_dir)
+    args = make_args(DTAGRPOConfig, tmp_path, **TREE, use_vllm=True, vllm_mode="colocate",
+                     generation_kwargs={"seed": 3})
+    with vllm_engines.shared(torch.float32), pytest.raises(ValueError, match=r"\['seed'\].*keep `generation_kwargs`"):
+        DTAGRPOTrainer(model=vllm_engines.model_dir, reward_funcs=reward_from_ids, args=args, train_dataset=dataset,
+                       processing_class=tokenizer)

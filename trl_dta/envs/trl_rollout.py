@@ -23,16 +23,21 @@ Generation reuses each episode's key/value cache between turns (`generation_cach
 [`~trl_dta.generation.CachedGenerate`]): the system prompt and each task's opening are prefilled once per rollout
 and shared by the episodes' caches, and each turn forwards only the environment's reply and the sampled tokens; the
 sampled turns are those `model.generate` on the whole prefixes would sample (`generation_cache=False`, the re-prefill
-path). Logged next to TRL's metrics per rollout (through `trainers/_trl.py`, the one reader of TRL's private state):
+path). With `use_vllm=True` (`vllm_mode="colocate"`) the turns are sampled by TRL's colocated vLLM engine instead
+([`~trl_dta.generation.VLLMGenerate`], its weights synced as TRL syncs them): one `generate` call per turn over the
+unfinished episodes, each turn's earlier tokens served from vLLM's prefix cache. Logged next to TRL's metrics per
+rollout (through `trainers/_trl.py`, the one reader of TRL's private state):
 `dta/rollout_tokens` (tokens of the rollout's episodes, each episode once at its final length),
-`dta/rollout_forward_tokens` (token positions the policy forwarded while generating, padding included),
+`dta/rollout_forward_tokens` (token positions the policy forwarded while generating, padding included; with vLLM by
+its own counters: prompt tokens it computed plus the sampled tokens fed back), `dta/rollout_cached_tokens` (vLLM only:
+prompt tokens its prefix cache served),
 `dta/rollout_generation_s`, `dta/rollout_env_s` (tools, users) and `dta/rollout_reward_s` (the grader). TRL's own tool
 loop (`environment_factory=`, `RetailToolEnv`) generates with TRL's `generate` calls: no cache reuse there.
 
 An episode ends on an agent turn, so TRL's `mask_truncated_completions=True` drops every episode whose last turn did
-not end with the end-of-turn token (one cut by `max_completion_length` or by the episode's `max_tokens`). TRL's vLLM
-path is refused: its generation calls are collective over processes, and episodes of different lengths would make
-them diverge; it cannot be tested offline either.
+not end with the end-of-turn token (one cut by `max_completion_length` or by the episode's `max_tokens`). vLLM's server
+mode is refused (its calls are collective over processes, and episodes of different lengths would make them
+diverge); colocated engines are each process's own.
 """
 
 from __future__ import annotations
@@ -47,6 +52,13 @@ from .._checks import check_bool, check_int
 from .chat_turns import ChatTurns
 from .env import RetailDomain
 from .rollout import check_branching, check_copyable, episode_columns, play_episodes
+
+
+def check_vllm_rollouts(trainer, what: str) -> None:
+    """`trl_dta.trainers.policy.check_vllm_rollouts` (imported when a rollout runs: envs/ sits above trainers/)."""
+    from ..trainers.policy import check_vllm_rollouts as check
+
+    check(trainer, what)
 
 
 def build_dataset(
@@ -114,10 +126,7 @@ class AgentRolloutFunc:
 
     def __call__(self, prompts: list, trainer) -> dict[str, list]:
         if trainer.use_vllm:
-            raise ValueError(
-                "AgentRolloutFunc generates with the trainer's model; set `use_vllm=False` (vLLM's collective "
-                "generation calls do not fit episodes of different lengths)."
-            )
+            check_vllm_rollouts(trainer, "AgentRolloutFunc")
         task_ids = [self.domain.task_id_of(prompt) for prompt in prompts]
         tree = {}
         if self.branching is not None:
@@ -191,6 +200,8 @@ class RolloutMeter:
         total = time.perf_counter() - self.start
         metrics["dta/rollout_tokens"].append(float(sum(len(e.ids) for e in episodes)))
         metrics["dta/rollout_forward_tokens"].append(float(self.stats.forward_tokens))
+        if self.stats.cached_tokens is not None:  # vLLM's own count of the prompt tokens its prefix cache served
+            metrics["dta/rollout_cached_tokens"].append(float(self.stats.cached_tokens))
         metrics["dta/rollout_generation_s"].append(self.generation_s)
         metrics["dta/rollout_reward_s"].append(reward_s)
         metrics["dta/rollout_env_s"].append(max(0.0, total - self.generation_s - reward_s))

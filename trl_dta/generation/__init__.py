@@ -10,6 +10,8 @@ sequences, and tree sampling.
 - `sampling`: the transformers [`Generator`]s: [`CachedGenerate`] (the cache behind `model.generate`'s own processors
   and stopping criteria) and [`reprefill_generate_fn`] (`model.generate` on whole prefixes), and
   [`count_forward_tokens`];
+- `vllm_generate`: [`VLLMGenerate`], the vLLM [`Generator`] (a vLLM engine's `generate` on token ids, its prefix
+  cache, its own counters);
 - `tree_sampling`: a prompt's completions sampled as a branching tree, one [`Generator`] call per level
   ([`sample_trees`], [`TreeSampler`]: the settings as plain values, and the generation's metrics), and the generation
   settings it refuses ([`check_generation_config`]).
@@ -19,7 +21,8 @@ from .prefix_cache import CacheStats, Node, PrefixCache
 from .sampling import CachedGenerate, ReprefillGenerate, count_forward_tokens, reprefill_generate_fn
 from .seam import Generation, Generator
 from .tree_sampling import RolloutTree, TreeSampler, TreeStats, check_generation_config, sample_trees
+from .vllm_generate import VLLMGenerate
 
 __all__ = ["CacheStats", "CachedGenerate", "Generation", "Generator", "Node", "PrefixCache", "ReprefillGenerate",
            "RolloutTree", "TreeSampler", "TreeStats", "check_generation_config", "count_forward_tokens",
-           "reprefill_generate_fn", "sample_trees"]
+           "reprefill_generate_fn", "sample_trees", "VLLMGenerate"]

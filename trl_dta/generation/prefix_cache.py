@@ -92,12 +92,16 @@ class CacheStats:
         forward_tokens (`int`): token positions forwarded (every one a real token: forwards hold no padding).
         frozen_tokens (`int`): own tokens moved into nodes by [`PrefixCache.branch`] (copied once, not per child).
         peak_kv_bytes (`int`): the most key/value bytes held ([`PrefixCache.kv_bytes`]) after a forward or a freeze.
+        cached_tokens (`int`, *optional*): prompt tokens an engine's own prefix cache served without forwarding them,
+            by its own count (vLLM's `num_cached_tokens`, [`~generation.VLLMGenerate`]); `None` where nobody counts
+            them that way (a [`PrefixCache`] never forwards a stored token: its reuse is what `forward_tokens` omits).
     """
 
     forward_calls: int = 0
     forward_tokens: int = 0
     frozen_tokens: int = 0
     peak_kv_bytes: int = 0
+    cached_tokens: int | None = None
 
 
 @dataclass

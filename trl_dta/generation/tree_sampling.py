@@ -172,6 +172,8 @@ class TreeStats:
             node's last token once when it branches, a leaf's last token never).
         peak_kv_bytes (`int`): the most key/value memory the generation cache held after a forward or a freeze (its
             shared nodes and its rows' buffer: `PrefixCache.kv_bytes`).
+        cached_tokens (`int`, *optional*): prompt tokens the engine's own prefix cache served (vLLM's counter,
+            `VLLMGenerate`); `None` for the transformers generators, whose reuse is what `forward_tokens` omits.
         logits (`list[list[torch.Tensor]]`, *optional*): with `return_logits`, per tree and leaf the raw logits of its
             sampled tokens, `(len(leaf), vocab)` float32.
     """
@@ -179,6 +181,7 @@ class TreeStats:
     forward_calls: int = 0
     forward_tokens: int = 0
     peak_kv_bytes: int = 0
+    cached_tokens: int | None = None
     logits: list[list[torch.Tensor]] | None = None
 
 
@@ -304,6 +307,7 @@ def sample_tree_levels(
     stats.forward_calls, stats.forward_tokens, stats.peak_kv_bytes = (generated.forward_calls,
                                                                       generated.forward_tokens,
                                                                       generated.peak_kv_bytes)
+    stats.cached_tokens = getattr(generated, "cached_tokens", None)
 
     trees, all_logits = [], []
     starts = [level * (segment_length or 0) for level in range(len(branching))]
@@ -372,6 +376,7 @@ class TreeSampler:
         - `dta/generation_forward_tokens`: token positions the model forwarded while generating (each distinct prompt
           once, each sampled token at most once);
         - `dta/generation_peak_kv_mb`: the most key/value memory the generation cache held (MiB);
+        - `dta/generation_cached_tokens` (vLLM only): prompt tokens its prefix cache served, by its own counter;
         - `dta/tree_distinct_leaves`: distinct completions per tree (mean over trees; `num_leaves` at most);
         - `dta/tree_early_end_fraction`: the fraction of leaves whose completion ended before the last level, so that
           they copy a shorter node.
@@ -379,7 +384,9 @@ class TreeSampler:
         generated = sum(t.generated_tokens for t in trees)
         independent = sum(t.independent_tokens for t in trees)
         early = sum(len(path) < len(self.branching) for t in trees for path in t.nodes)
+        cached = {} if stats.cached_tokens is None else {"dta/generation_cached_tokens": float(stats.cached_tokens)}
         return {
+            **cached,
             "dta/generated_tokens": float(generated),
             "dta/generated_tokens_independent": float(independent),
             "dta/generation_compression": independent / max(generated, 1),

@@ -60,6 +60,7 @@ from .micro_batches import (
 )
 from .step_forest import Cadence, buffered_window
 from .support import check_policy, check_schedule
+from .vllm_engine import check_vllm_mode, close_colocated_engine, colocated_engine
 from .window import HookState, WindowContext, as_trl_head_output, decide, run_window
 
 
@@ -88,8 +89,15 @@ class DTATrainerMixin:
             suffix = self._dta_trl_class.__name__.removesuffix("Trainer")
             args = self._dta_config_class(f"{name.split('/')[-1]}-{suffix}")
         self._dta_pre_init(args)
-        super().__init__(model, reward_funcs, args, *extra, **kwargs)
+        with colocated_engine(self, args):  # vLLM's CPU settings; a no-op without colocated vLLM or on a GPU
+            super().__init__(model, reward_funcs, args, *extra, **kwargs)
         self._dta_post_init()
+
+    def end(self):
+        """transformers' `Trainer.end` (trackers finished, the process group destroyed), the colocated vLLM engine
+        shut down first (`vllm_engine.close_colocated_engine`)."""
+        close_colocated_engine(self)
+        return super().end()
 
     # ------------------------------------------------------------------ construction
 
@@ -98,6 +106,7 @@ class DTATrainerMixin:
         self._dta = DTAArguments.from_config(args)
         self._dta_engines: dict[int, DTAEngine] = {}
         self._dta_state = HookState()
+        check_vllm_mode(args)
         if not self._dta.dta_enabled:
             return
         check_trl_version()

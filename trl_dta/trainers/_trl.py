@@ -11,7 +11,7 @@ entry of [`PRIVATE_ATTRIBUTES`] and [`OVERRIDDEN_HOOKS`] names what to check (an
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -29,6 +29,7 @@ PRIVATE_ATTRIBUTES = {
     "_tag_names": ("1.16.0", "the class's Hub tags, extended by the subclasses"),
     "_generate_and_score_completions": ("1.16.0", "called by the regrouping `_prepare_inputs` (and overridden)"),
     "_compute_loss": ("1.16.0", "TRL's objective of a micro-batch: called, and compared to see a subclass's own"),
+    "_last_loaded_step": ("1.16.0", "the optimizer step whose weights vLLM holds: read and written by a weight sync"),
 }
 
 # TRL's private hooks the trainers override (TRL calls them by name); each override delegates to TRL's with `super()`.
@@ -40,6 +41,11 @@ OVERRIDDEN_HOOKS = {
     "_generate_and_score_completions": ("1.16.0", "`grpo.py`: tree advantages after TRL's scoring; `phases.py`: timed"),
     "_generate": ("1.16.0", "`phases.py`: the rollouts' sampling, timed"),
     "_tag_names": ("1.16.0", "`grpo.py`, `rloo.py`: TRL's tags plus 'trl-dta'"),
+}
+
+# TRL's module-level names replaced for the duration of a call (dotted name -> TRL version, what for).
+REPLACED_GLOBALS = {
+    "trl.generation.vllm_generation.LLM": ("1.16.0", "colocate mode's engine built with the CPU settings"),
 }
 
 
@@ -126,6 +132,18 @@ def summon_full_params(trainer):
 # ---------------------------------------------------------------------------------------------------- writes
 
 
+def sync_vllm_weights(trainer) -> None:
+    """TRL's weight sync before vLLM generates (its `_generate_single_turn` and `_generate` do the same): the policy's
+    weights pushed into the colocated engine (`vllm_generation.sync_weights`, which also resets its prefix cache) once
+    per optimizer step."""
+    from trl.extras.profiling import profiling_context
+
+    if trainer.state.global_step != trainer._last_loaded_step:  # TRL 1.16.0
+        with profiling_context(trainer, "sync_weights"):
+            trainer.vllm_generation.sync_weights()
+        trainer._last_loaded_step = trainer.state.global_step  # TRL 1.16.0
+
+
 @contextlib.contextmanager
 def unlogged(trainer) -> Iterator[None]:
     """Around a call of TRL's `_compute_loss` kept for its gradient only: what it appends to TRL's metrics (of either
@@ -146,3 +164,20 @@ def unlogged(trainer) -> Iterator[None]:
                 del per_mode[name][length:]
         for name, value in controller.items():  # GRPO's `_compute_loss` sets them at a window's last micro-step
             setattr(trainer, name, value)
+
+
+@contextlib.contextmanager
+def vllm_engine_builder(wrap: Callable[[Callable[..., object]], Callable[..., object]]) -> Iterator[None]:
+    """Within the block, TRL's colocate mode builds its engine with `wrap(previous)(**kwargs)`, `kwargs` being what it
+    passes to `vllm.LLM` and `previous` the builder in place before (`vllm.LLM`, or an outer block's). TRL 1.16.0
+    passes no `enforce_eager` or `dtype` and has no option for them: the trainers wrap their construction in this to
+    add vLLM's CPU settings (`generation/vllm_cpu.py`); tests, outside, hand one session engine to every trainer (TRL
+    syncs the trainer's weights into it before its first generation)."""
+    from trl.generation import vllm_generation
+
+    trl_build = vllm_generation.LLM  # TRL 1.16.0: `VLLMGeneration._init_vllm` calls `LLM(...)` by this module name
+    vllm_generation.LLM = wrap(trl_build)  # TRL 1.16.0
+    try:
+        yield
+    finally:
+        vllm_generation.LLM = trl_build  # TRL 1.16.0

@@ -328,8 +328,6 @@ def check_tree_args(args) -> None:
                 f"`max_completion_length`, {TREE_OFF}"
             )
     refused = {
-        "use_vllm": "vLLM generation (server or colocate) of tree rollouts is not implemented (it cannot be tested "
-        "here); use transformers generation (`use_vllm=False`)",
         "use_transformers_continuous_batching": "continuous batching schedules rows itself; use "
         "`use_transformers_continuous_batching=False`",
         "cache_implementation": "tree rollouts sample over their own generation cache; leave "

@@ -25,8 +25,15 @@ import torch
 
 from ..generation.tree_sampling import TREE_OFF, RolloutTree, TreeSampler, check_generation_config
 from . import _trl
-from .policy import policy_generator
+from .policy import check_vllm_rollouts, policy_generator, vllm_generation_config
 from .tree_advantages import tree_advantages
+
+# vLLM `SamplingParams` arguments (TRL's `generation_kwargs` with `use_vllm=True`) that act on one position's logits or
+# on the whole sequence (prompt and earlier segments included), so that a tree of segment-wise requests samples what
+# one request would; every other one is refused (`stop` strings, a fixed `seed`, penalties that count output tokens
+# only, structured outputs, ... depend on where a request starts).
+VLLM_TREE_SAMPLING = frozenset({"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "min_tokens",
+                                "logit_bias", "allowed_token_ids"})
 
 
 @dataclass
@@ -87,7 +94,21 @@ class TreeRollouts:
                 "turn; tree rollouts of tool episodes are not implemented there. Branch multi-turn episodes with "
                 f"`trl_dta.envs.AgentRolloutFunc(branching=...)` as `rollout_func`, {TREE_OFF}"
             )
-        check_generation_config(trainer.generation_config, trainer.accelerator.unwrap_model(trainer.model))
+        if trainer.use_vllm:
+            check_vllm_rollouts(trainer, "Tree rollouts")
+            refused = sorted(set(trainer.vllm_generation.generation_kwargs or {}) - VLLM_TREE_SAMPLING)
+            if args.vllm_structured_outputs_regex is not None:
+                refused.append("vllm_structured_outputs_regex")
+            if refused:
+                raise ValueError(
+                    f"Tree rollouts through vLLM sample each level from where the previous one stopped, so {refused} "
+                    f"(which depend on where a request starts) cannot be used: keep `generation_kwargs` to "
+                    f"{sorted(VLLM_TREE_SAMPLING)}, {TREE_OFF}"
+                )
+            generation_config = vllm_generation_config(trainer)[0]
+        else:
+            generation_config = trainer.generation_config
+            check_generation_config(generation_config, trainer.accelerator.unwrap_model(trainer.model))
         per_process = args.generation_batch_size // trainer.accelerator.num_processes
         if per_process % args.num_generations:
             raise ValueError(
@@ -97,7 +118,7 @@ class TreeRollouts:
                 f"`generation_batch_size / num_processes` a multiple of `num_generations`, {TREE_OFF}"
             )
         sampler = TreeSampler(tuple(branching), args.dta_tree_segment_length, trainer.max_completion_length,
-                              trainer.generation_config, tuple(trainer.eos_token_ids),
+                              generation_config, tuple(trainer.eos_token_ids),
                               _trl.tokenizer(trainer).pad_token_id)
         return cls(sampler, args.dta_tree_advantage)
 
@@ -119,7 +140,8 @@ class TreeRollouts:
 
         Returns:
             `(completion_ids, logprobs)`: the rows' completions (EOS included when sampled) and their sampling
-            log-probs when the generator gives them (`None` with transformers' generate, as TRL's transformers path).
+            log-probs when the generator gives them (vLLM's, as TRL's vLLM path; `None` with transformers' generate,
+            as TRL's transformers path).
         """
         groups = _prompt_groups(prompt_ids, num_generations)
         with policy_generator(trainer) as generator:

@@ -11,11 +11,12 @@ trainer = DTAGRPOTrainer(model=model, processing_class=tokenizer, train_dataset=
 
 [`Tau2RolloutFunc`] is the stand-in domain's `AgentRolloutFunc` for tau2: the same TRL contract (`prompt_ids`,
 `completion_ids`, `logprobs`, `env_mask` = TRL's `tool_mask`: tool results and user messages are out of the loss)
-and the same generation (the trainer's model and sampling settings, `max_completion_length` per *turn*), with
-episodes in the policy's chat template (`envs.tau2.episode`). The extra keys reach the reward functions:
+and the same generation (the trainer's model and sampling settings, `max_completion_length` per *turn*; with
+`use_vllm=True`, TRL's colocated vLLM engine, each turn's earlier tokens from its prefix cache), with episodes in the
+policy's chat template (`envs.tau2.episode`). The extra keys reach the reward functions:
 `tau2_reward` (`float`, tau2's evaluator), `turn_spans`, `end_reason`.
 
-Where the environment's own tool loop is wanted instead (vLLM, TRL's `tools` machinery), use
+Where the environment's own tool loop is wanted instead (TRL's `tools` machinery), use
 `environment_factory=tau2_tool_env(domain)` with [`build_tau2_dataset`] and `tau2_tool_reward` (no user turns there).
 """
 
@@ -26,7 +27,7 @@ from datasets import Dataset
 from ..._checks import check_bool, check_int
 from ..chat import ChatRenderer
 from ..rollout import episode_columns as rollout_columns
-from ..trl_rollout import rollout_meter
+from ..trl_rollout import check_vllm_rollouts, rollout_meter
 from .domain import Tau2Domain
 from .episode import play_tau2_episodes
 from .user import ScriptedUser
@@ -92,8 +93,7 @@ class Tau2RolloutFunc:
 
     def __call__(self, prompts: list, trainer) -> dict[str, list]:
         if trainer.use_vllm:
-            raise ValueError("Tau2RolloutFunc generates with the trainer's model; set `use_vllm=False`, or use "
-                             "`environment_factory=tau2_tool_env(domain)` (TRL's tool loop) with vLLM.")
+            check_vllm_rollouts(trainer, "Tau2RolloutFunc")
         tokenizer = trainer.processing_class
         if id(tokenizer) not in self._renderers:
             self._renderers[id(tokenizer)] = ChatRenderer(tokenizer, self.domain.tool_schemas)
