@@ -49,13 +49,15 @@ GROUPS = (
       "trl_dta/precision.py", "trl_dta/batch.py")),
     ("Generating with the prefix cache", "`trl_dta.generation` (agent rollouts, tree rollouts)",
      ("trl_dta/generation/",)),
+    ("Generating with vLLM", "`use_vllm=True` under the DTA trainers: vLLM's CPU build, server mode (docs/vllm.md)",
+     ("trl_dta/generation/vllm_cpu.py", "trl_dta/trainers/vllm_engine.py")),
     ("Agents and tau2", "`trl_dta.envs` (the stand-in, rollout functions, chat templates) and `trl_dta.envs.tau2`",
      ("trl_dta/envs/",)),
     ("Balancing ranks yourself", "`partition`, `partition_for_ranks`, `CostModel`", ("trl_dta/balance/",)),
     ("The analyzer", "`trl-dta analyze` and what it calls (reading rollouts, FLOP and memory estimates)",
      ("trl_dta/cli.py", "trl_dta/analysis/", "trl_dta/flops.py", "trl_dta/memory.py")),
     ("The embedded default and the package", "`trl_dta.tiny` (the recipes' tiny model and task), `import trl_dta`",
-     ("trl_dta/tiny.py", "trl_dta/__init__.py")),
+     ("trl_dta/tiny.py", "trl_dta/__init__.py", "trl_dta/pretrained.py")),
 )
 
 # Raised but not refusals: the environments' answers to the policy (a bad tool call or turn is answered with an error
