@@ -153,10 +153,13 @@ def test_two_process_cpu_launch(tmp_path):
 
 
 @pytest.mark.vllm
-def test_vllm_colocated_run(tmp_path):
+def test_vllm_colocated_run(tmp_path, monkeypatch):
     """`--use_vllm true` on a CPU: TRL's colocated engine with the CPU settings (`generation/vllm_cpu.py`), the
     embedded model with head size 32 (vLLM's CPU attention has no 16), a clean exit (the engine shut down before
     `Trainer.end` destroys the process group)."""
+    # a session engine of this process (tests/vllm_engines.py) holds the rendezvous port TRL set in the environment
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
     out = tmp_path / "vllm"
     result = run([sys.executable, str(RECIPE), "--use_vllm", "true", "--max_steps", "2", "--tiny_num_rows", "32",
                   "--output_dir", str(out)])
