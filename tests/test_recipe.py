@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
 
@@ -209,10 +210,17 @@ def test_two_process_cpu_launch(tmp_path):
 
 
 @pytest.mark.vllm
-def test_vllm_colocated_run(tmp_path):
+def test_vllm_colocated_run(tmp_path, monkeypatch):
     """`--use_vllm true` on a CPU: TRL's colocated engine with the CPU settings (`generation/vllm_cpu.py`), the
     embedded model with head size 32 (vLLM's CPU attention has no 16), a clean exit (the engine shut down before
     `Trainer.end` destroys the process group)."""
+    # a session engine of this process (tests/vllm_engines.py) holds the rendezvous port TRL set in the environment
+    for name in ("MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    # and a port of its own (TRL's choice without one starts at 29500, which a concurrent run may take meanwhile)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(s.getsockname()[1]))
     out = tmp_path / "vllm"
     result = run([sys.executable, str(RECIPE), "--use_vllm", "true", "--max_steps", "2", "--tiny_num_rows", "32",
                   "--output_dir", str(out)])

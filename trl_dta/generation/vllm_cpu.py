@@ -98,8 +98,9 @@ def generation_dtype(policy_dtype: torch.dtype) -> str:
     if chosen == "policy":
         return str(policy_dtype).removeprefix("torch.")
     if chosen != "auto" and chosen not in _DTYPES:
-        raise ValueError(f"{DTYPE_VARIABLE}={chosen!r} is not one of 'policy', 'auto', {', '.join(map(repr, _DTYPES))};"
-                         f" unset it to generate in the policy's dtype.")
+        choices = ", ".join(map(repr, ["policy", "auto", *_DTYPES]))
+        raise ValueError(f"{DTYPE_VARIABLE}={chosen!r} is not one of {choices}; unset it to generate in the policy's "
+                         "dtype.")
     return chosen
 
 
