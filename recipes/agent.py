@@ -87,7 +87,6 @@ from __future__ import annotations
 import json
 import os
 import resource
-import statistics
 import sys
 import time
 import warnings
@@ -98,6 +97,8 @@ import torch
 from trl import ModelConfig, TrlParser, get_peft_config
 
 from trl_dta import DTAGRPOConfig, DTAGRPOTrainer, tiny
+from trl_dta.analysis.run_summary import mean_of as _mean
+from trl_dta.analysis.run_summary import reward_trend
 from trl_dta.envs import SHAPED_REWARDS, AgentRolloutFunc, RetailDomain, build_dataset, episode_reward, outcome_reward
 from trl_dta.pretrained import SMOLLM2, resolve_model_name
 from trl_dta.trainers.console import modern_flags, quiet_console, use_console
@@ -410,11 +411,6 @@ def describe(info: dict, training_args: DTAGRPOConfig, reward_funcs: list) -> st
     return "\n".join(lines)
 
 
-def _mean(logs: list[dict], key: str) -> float | None:
-    values = [entry[key] for entry in logs if key in entry]
-    return statistics.fmean(values) if values else None
-
-
 # The step's split: summary key -> logged metric (seconds per optimizer step, means over logged steps).
 STEP_SPLIT = {"step_s": "step_time", "generation_s": "dta/rollout_generation_s", "env_s": "dta/rollout_env_s",
               "reward_s": "dta/rollout_reward_s", "dta_train_s": "dta/step_time"}
@@ -446,20 +442,13 @@ def summarize(log_history: list[dict], steps: int, wall_time: float, window: int
         (`STEP_SPLIT`), the workload's `info` keys, `peak_rss_gb`. Values a run did not log are `None`.
     """
     logs = [entry for entry in log_history if "reward" in entry]
-    k = max(1, min(window, len(logs) // 2))
-    names = sorted({key[len("rewards/"):-len("/mean")] for entry in logs for key in entry
-                    if key.startswith("rewards/") and key.endswith("/mean")})
     summary = {
         "generation": generation,
         "steps": steps,
         "processes": num_processes,
         "layout": layout,
         "wall_s": round(wall_time, 1),
-        "reward_first": _mean(logs[:k], "reward"),
-        "reward_last": _mean(logs[-k:], "reward"),
-        "rewards": {name: [_mean(logs[:k], f"rewards/{name}/mean"), _mean(logs[-k:], f"rewards/{name}/mean")]
-                    for name in names},
-        "rewards_steps": k,
+        **reward_trend(log_history, window),
         "frac_reward_zero_std": _mean(logs, "frac_reward_zero_std"),
     }
     for key in ("compression_ratio", "compression_ratio_micro_batch", "tokens", "tree_tokens", "forward_tokens",

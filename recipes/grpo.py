@@ -76,6 +76,8 @@ import torch
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 from trl_dta import DTAGRPOConfig, DTAGRPOTrainer, tiny, word_problems
+from trl_dta.analysis.run_summary import mean_of as _mean
+from trl_dta.analysis.run_summary import reward_trend
 from trl_dta.pretrained import PRETRAINED, resolve_model_name
 from trl_dta.trainers.console import modern_flags, quiet_console, use_console
 
@@ -348,11 +350,6 @@ def summarize(log_history: list[dict], steps: int, wall_time: float, window: int
     return "\n".join(lines)
 
 
-def _mean(logs: list[dict], key: str) -> float | None:
-    values = [entry[key] for entry in logs if key in entry]
-    return statistics.fmean(values) if values else None
-
-
 def summary_record(log_history: list[dict], steps: int, wall_time: float, window: int, num_processes: int = 1,
                    use_vllm: bool = False) -> dict:
     """The summary as one JSON-ready record (the recipe's last line, `summary: {...}`), for scripts and tables.
@@ -369,9 +366,6 @@ def summary_record(log_history: list[dict], steps: int, wall_time: float, window
         (`"vllm"` or `"transformers"`). Values a run did not log are `None`.
     """
     logs = [entry for entry in log_history if "reward" in entry]
-    k = max(1, min(window, len(logs) // 2))
-    names = sorted({key[len("rewards/"):-len("/mean")] for entry in logs for key in entry
-                    if key.startswith("rewards/") and key.endswith("/mean")})
     timed = [entry for entry in logs if all(key in entry for key in PHASE_METRICS)]
     split = {key: _mean(timed, metric) for key, metric in
              (("step_s", "step_time"), ("generation_s", "generation_time"), ("scoring_s", "scoring_time"))}
@@ -380,11 +374,7 @@ def summary_record(log_history: list[dict], steps: int, wall_time: float, window
         "steps": steps,
         "processes": num_processes,
         "wall_s": round(wall_time, 1),
-        "reward_first": _mean(logs[:k], "reward"),
-        "reward_last": _mean(logs[-k:], "reward"),
-        "rewards": {name: [_mean(logs[:k], f"rewards/{name}/mean"), _mean(logs[-k:], f"rewards/{name}/mean")]
-                    for name in names},
-        "rewards_steps": k,
+        **reward_trend(log_history, window),
         **split,
         "training_s": training,
         "dta_train_s": _mean(timed, "dta/step_time"),
