@@ -154,6 +154,19 @@ def smollm2_dir(tmp_path_factory):
     return pretrained_folder(cache_dir=tmp_path_factory.mktemp("trl_dta_cache"))
 
 
+@pytest.fixture(scope="session")
+def smollm2_cut_dir(smollm2_dir, tmp_path_factory):
+    """`real_weights.cut_smollm2` saved with the real tokenizer, for the trainers (TRL loads a model by name)."""
+    import transformers
+
+    from real_weights import cut_smollm2
+
+    path = tmp_path_factory.mktemp("smollm2_cut")
+    cut_smollm2(smollm2_dir).save_pretrained(path)
+    transformers.AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(path)
+    return str(path)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `vllm` are skipped, with the install command as the reason, where vLLM is not installed."""
     from trl_dta.generation.vllm_cpu import vllm_available
