@@ -93,7 +93,6 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from trl import ModelConfig, TrlParser, get_peft_config
 
 from trl_dta import DTAGRPOConfig, DTAGRPOTrainer, tiny
@@ -101,7 +100,7 @@ from trl_dta.analysis.run_summary import mean_of as _mean
 from trl_dta.analysis.run_summary import reward_trend
 from trl_dta.envs import SHAPED_REWARDS, AgentRolloutFunc, RetailDomain, build_dataset, episode_reward, outcome_reward
 from trl_dta.pretrained import SMOLLM2, resolve_model_name
-from trl_dta.trainers.console import modern_flags, quiet_console, use_console
+from trl_dta.trainers.console import RunArguments, modern_flags, quiet_console, use_console
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIG = CONFIGS / "agent.yaml"
@@ -113,9 +112,11 @@ REWARDS = ("shaped", "episode", "outcome")
 
 
 @dataclass
-class AgentScriptArguments:
+class AgentScriptArguments(RunArguments):
     """
-    Script arguments of the agent recipe: the domain, the episode limits, the rewards and the embedded tiny model.
+    Script arguments of the agent recipe: the run options of both recipes
+    ([`~trl_dta.trainers.console.RunArguments`]: console, summary, threads), the domain, the episode limits, the
+    rewards and the embedded tiny model.
 
     Args:
         agent_domain (`str`, *optional*, defaults to `"standin"`):
@@ -159,13 +160,6 @@ class AgentScriptArguments:
             Width of the embedded model.
         tiny_num_hidden_layers (`int`, *optional*, defaults to `2`):
             Depth of the embedded model.
-        summary_window (`int`, *optional*, defaults to `5`):
-            Number of first and last logged steps whose mean rewards the summary compares.
-        console_steps (`int`, *optional*):
-            Optimizer steps between two console lines (reward, compression, step time). Defaults to a tenth of
-            `max_steps`. Every step's metrics still reach `report_to` and the summary.
-        torch_num_threads (`int`, *optional*):
-            Intra-op CPU threads of each process (`torch.set_num_threads`). Defaults to torch's choice.
     """
 
     agent_domain: str = field(
@@ -228,23 +222,6 @@ class AgentScriptArguments:
     )
     tiny_hidden_size: int = field(default=64, metadata={"help": "Width of the embedded model."})
     tiny_num_hidden_layers: int = field(default=2, metadata={"help": "Depth of the embedded model."})
-    summary_window: int = field(
-        default=5,
-        metadata={"help": "Number of first and last logged steps whose mean rewards the summary compares."},
-    )
-    console_steps: int | None = field(
-        default=None,
-        metadata={
-            "help": "Optimizer steps between two console lines (reward, compression, step time). Defaults to a tenth "
-            "of `max_steps`. Every step's metrics still reach `report_to` and the summary."
-        },
-    )
-    torch_num_threads: int | None = field(
-        default=None,
-        metadata={
-            "help": "Intra-op CPU threads of each process (`torch.set_num_threads`). Defaults to torch's choice."
-        },
-    )
 
 
 def check_script_args(script_args: AgentScriptArguments) -> None:
@@ -259,8 +236,7 @@ def check_script_args(script_args: AgentScriptArguments) -> None:
     if script_args.agent_domain != "standin" and script_args.agent_branching is not None:
         raise ValueError("--agent_branching (tree rollouts) needs an environment that can be copied: the stand-in "
                          "domain (--agent_domain standin) has one, the tau2 adapter does not yet.")
-    if script_args.torch_num_threads is not None and script_args.torch_num_threads < 1:
-        raise ValueError(f"--torch_num_threads must be >= 1, got {script_args.torch_num_threads}.")
+    script_args.check_run_args()
     if script_args.agent_max_tokens is not None and script_args.agent_max_tokens < 2:
         raise ValueError(f"--agent_max_tokens must be >= 2, got {script_args.agent_max_tokens}.")
 
@@ -501,8 +477,7 @@ def main(script_args: AgentScriptArguments, training_args: DTAGRPOConfig, model_
     from accelerate import PartialState
 
     check_script_args(script_args)
-    if script_args.torch_num_threads is not None:
-        torch.set_num_threads(script_args.torch_num_threads)
+    script_args.set_threads()
     embedded = model_args.model_name_or_path is None
     if embedded:
         tokenizer = embedded_tokenizer(script_args)

@@ -72,14 +72,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 from trl_dta import DTAGRPOConfig, DTAGRPOTrainer, tiny, word_problems
 from trl_dta.analysis.run_summary import mean_of as _mean
 from trl_dta.analysis.run_summary import reward_trend
 from trl_dta.pretrained import PRETRAINED, resolve_model_name
-from trl_dta.trainers.console import modern_flags, quiet_console, use_console
+from trl_dta.trainers.console import RunArguments, modern_flags, quiet_console, use_console
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
 # The default run of each local pretrained model (`trl_dta.pretrained.PRETRAINED`), used without `--config`.
@@ -105,10 +104,11 @@ PHASE_METRICS = ("step_time", "generation_time", "scoring_time")
 
 
 @dataclass
-class GRPOScriptArguments(ScriptArguments):
+class GRPOScriptArguments(ScriptArguments, RunArguments):
     """
-    Script arguments of the DTA GRPO recipe: TRL's [`~trl.ScriptArguments`] (dataset selection) plus the reward
-    functions and the embedded tiny setup.
+    Script arguments of the DTA GRPO recipe: TRL's [`~trl.ScriptArguments`] (dataset selection), the run options of
+    both recipes ([`~trl_dta.trainers.console.RunArguments`]: console, summary, threads), plus the reward functions
+    and the embedded tiny setup.
 
     Args:
         reward_funcs (`list[str]`, *optional*):
@@ -138,13 +138,6 @@ class GRPOScriptArguments(ScriptArguments):
         tiny_num_attention_heads (`int`, *optional*):
             Query heads of the embedded model. Defaults to 4 (head size 16), and to 2 (head size 32) with `--use_vllm
             true`: vLLM's CPU attention runs head sizes 32, 64, 80, ..., not 16.
-        summary_window (`int`, *optional*, defaults to `5`):
-            Number of first and last logged steps whose mean rewards the summary compares.
-        console_steps (`int`, *optional*):
-            Optimizer steps between two console lines (reward, compression, step time). Defaults to a tenth of
-            `max_steps`. Every step's metrics still reach `report_to` and the summary.
-        torch_num_threads (`int`, *optional*):
-            Intra-op CPU threads of each process (`torch.set_num_threads`). Defaults to torch's choice.
     """
 
     reward_funcs: list[str] | None = field(
@@ -180,23 +173,6 @@ class GRPOScriptArguments(ScriptArguments):
         default=None,
         metadata={"help": "Query heads of the embedded model. Defaults to 4 (head size 16), and to 2 (head size 32) "
                   "with `--use_vllm true`: vLLM's CPU attention runs head sizes 32, 64, 80, ..., not 16."},
-    )
-    summary_window: int = field(
-        default=5,
-        metadata={"help": "Number of first and last logged steps whose mean rewards the summary compares."},
-    )
-    console_steps: int | None = field(
-        default=None,
-        metadata={
-            "help": "Optimizer steps between two console lines (reward, compression, step time). Defaults to a tenth "
-            "of `max_steps`. Every step's metrics still reach `report_to` and the summary."
-        },
-    )
-    torch_num_threads: int | None = field(
-        default=None,
-        metadata={
-            "help": "Intra-op CPU threads of each process (`torch.set_num_threads`). Defaults to torch's choice."
-        },
     )
 
 
@@ -387,10 +363,8 @@ def summary_record(log_history: list[dict], steps: int, wall_time: float, window
 
 def main(script_args: GRPOScriptArguments, training_args: DTAGRPOConfig, model_args: ModelConfig) -> DTAGRPOTrainer:
     """Builds the data, rewards and trainer, trains, saves, prints the summary; returns the finished trainer."""
-    if script_args.torch_num_threads is not None:
-        if script_args.torch_num_threads < 1:
-            raise ValueError(f"`--torch_num_threads` must be >= 1, got {script_args.torch_num_threads}.")
-        torch.set_num_threads(script_args.torch_num_threads)
+    script_args.check_run_args()
+    script_args.set_threads()
     if model_args.model_name_or_path is not None:
         # A local pretrained model's name becomes its converted folder before TRL sees it (TRL reloads by path).
         model_args.model_name_or_path = resolve_model_name(model_args.model_name_or_path)

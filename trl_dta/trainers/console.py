@@ -21,6 +21,9 @@ trainer = DTAGRPOTrainer(...)
 use_console(trainer)                 # replaces the Trainer's progress callback
 trainer.train()
 ```
+
+[`RunArguments`] are the options both recipes share for a run on a console (the console line's interval, the
+summary's window, CPU threads): a script argument dataclass inherits them.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import logging
 import statistics
 import warnings
+from dataclasses import dataclass, field
 
 from transformers import PrinterCallback, ProgressCallback
 
@@ -167,3 +171,50 @@ def quiet_console() -> None:
     if not is_main_process():
         warnings.simplefilter("ignore")
         logging.disable(logging.WARNING)
+
+
+@dataclass
+class RunArguments:
+    """
+    Run options of the recipes (`recipes/grpo.py`, `recipes/agent.py`), for a script arguments dataclass to inherit.
+
+    Args:
+        summary_window (`int`, *optional*, defaults to `5`):
+            Number of first and last logged steps whose mean rewards the summary compares.
+        console_steps (`int`, *optional*):
+            Optimizer steps between two console lines (reward, compression, step time). Defaults to a tenth of
+            `max_steps`. Every step's metrics still reach `report_to` and the summary.
+        torch_num_threads (`int`, *optional*):
+            Intra-op CPU threads of each process (`torch.set_num_threads`). Defaults to torch's choice.
+    """
+
+    summary_window: int = field(
+        default=5,
+        metadata={"help": "Number of first and last logged steps whose mean rewards the summary compares."},
+    )
+    console_steps: int | None = field(
+        default=None,
+        metadata={
+            "help": "Optimizer steps between two console lines (reward, compression, step time). Defaults to a tenth "
+            "of `max_steps`. Every step's metrics still reach `report_to` and the summary."
+        },
+    )
+    torch_num_threads: int | None = field(
+        default=None,
+        metadata={
+            "help": "Intra-op CPU threads of each process (`torch.set_num_threads`). Defaults to torch's choice."
+        },
+    )
+
+    def check_run_args(self) -> None:
+        """Refuses a bad run option with an error naming it."""
+        check_int("--summary_window", self.summary_window, minimum=1)
+        check_int("--console_steps", self.console_steps, minimum=1, allow_none=True)
+        check_int("--torch_num_threads", self.torch_num_threads, minimum=1, allow_none=True)
+
+    def set_threads(self) -> None:
+        """`torch.set_num_threads(torch_num_threads)` when it is given."""
+        if self.torch_num_threads is not None:
+            import torch
+
+            torch.set_num_threads(self.torch_num_threads)
