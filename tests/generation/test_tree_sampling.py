@@ -118,6 +118,23 @@ def _sibling_p(trees, expected: dict) -> float:
     return chi_square_p(pairs, expected, sum(pairs.values()))
 
 
+def assert_tree_laws(trees, model, prompt: list[int], config, wrong) -> None:
+    """`[2, 2]` trees of one-token segments sampled after `prompt` with `config`: leaves 0 and 3 follow the exact
+    marginal, the siblings of every first-level node the exact joint law, and the leaves scored against the
+    neighbouring setting `wrong` are rejected (the test has power: a small p, or outcomes `wrong` makes impossible)."""
+    expected = _exact_distribution(model, prompt, 2, config)
+    for j in (0, 3):
+        p = _leaf_p(trees, j, expected)
+        assert p > ALPHA, f"leaf {j}: chi-square p = {p:.2e}"
+    p = _sibling_p(trees, _exact_sibling_distribution(model, prompt, config))
+    assert p > ALPHA, f"siblings: chi-square p = {p:.2e}"
+    try:
+        rejected = _leaf_p(trees, 0, _exact_distribution(model, prompt, 2, wrong)) < ALPHA
+    except AssertionError as impossible:  # `chi_square_p`: an outcome sampled that has probability 0 there
+        rejected = "impossible outcomes" in str(impossible)
+    assert rejected, "the leaves pass against the neighbouring setting too: the test has no power"
+
+
 @pytest.fixture(scope="module")
 def small_model():
     return build_model(VOCAB, seed=3).eval()
@@ -199,13 +216,7 @@ def test_top_p_and_min_p(small_model, overrides, wrong):
     threshold are rejected (the test has power)."""
     config = _generation_config(**overrides)
     trees = _sample(small_model, 1500, [2, 2], 1, 2, config, seed=7)
-    expected = _exact_distribution(small_model, PROMPT, 2, config)
-    for j in (0, 3):
-        p = _leaf_p(trees, j, expected)
-        assert p > ALPHA, f"leaf {j}: chi-square p = {p:.2e}"
-    p = _sibling_p(trees, _exact_sibling_distribution(small_model, PROMPT, config))
-    assert p > ALPHA, f"siblings: chi-square p = {p:.2e}"
-    assert _leaf_p(trees, 0, _exact_distribution(small_model, PROMPT, 2, _generation_config(**wrong))) < ALPHA
+    assert_tree_laws(trees, small_model, PROMPT, config, _generation_config(**wrong))
 
 
 def test_siblings_share_their_parent_segment(small_model):

@@ -14,10 +14,9 @@ from transformers.generation import TemperatureLogitsWarper, TopKLogitsWarper, T
 from tests.generation.test_tree_sampling import (
     ALPHA,
     _exact_distribution,
-    _exact_sibling_distribution,
     _generation_config,
     _leaf_p,
-    _sibling_p,
+    assert_tree_laws,
 )
 from tests.trainers.conftest import EOS
 from trl_dta.generation import VLLMGenerate
@@ -97,17 +96,7 @@ def test_tree_leaves_and_siblings_have_the_policys_laws(engine, policy, override
     ~1,200 outcomes would expect fewer than 5 counts)."""
     config = _generation_config(**overrides)
     trees = _vllm_trees(engine, 1200, [2, 2], 1, 2, config, seed=0)
-    expected = _exact_distribution(policy, PROMPT, 2, config)
-    for j in (0, 3):
-        p = _leaf_p(trees, j, expected)
-        assert p > ALPHA, f"leaf {j}: chi-square p = {p:.2e}"
-    p = _sibling_p(trees, _exact_sibling_distribution(policy, PROMPT, config))
-    assert p > ALPHA, f"siblings: chi-square p = {p:.2e}"
-    try:
-        rejected = _leaf_p(trees, 0, _exact_distribution(policy, PROMPT, 2, _generation_config(**wrong))) < ALPHA
-    except AssertionError as impossible:  # `chi_square_p`: an outcome sampled that has probability 0 there
-        rejected = "impossible outcomes" in str(impossible)
-    assert rejected
+    assert_tree_laws(trees, policy, PROMPT, config, _generation_config(**wrong))
     assert all(tree.logprobs is not None for tree in trees)
 
 
