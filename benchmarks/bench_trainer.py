@@ -18,7 +18,7 @@ python -m benchmarks.bench_trainer --agent --quick   # multi-turn agent episodes
 
 Methods: `trl` (GRPOTrainer, `gradient_checkpointing=False`), `trl+ckpt` (TRL's default, HF checkpointing), `dta`
 (DTAGRPOTrainer keeping every graph), `dta+ckpt` (`gradient_checkpointing=True`: DTA's block recompute). Writes
-`benchmarks/results/trainer[-quick].csv/.png/.md`.
+`benchmarks/results/trainer[-quick][-<shape> with --model-shape].csv/.png/.md`.
 
 `--agent`: multi-turn episodes of the offline retail environment (`trl_dta.envs`), played by a scripted agent and
 replayed to `DTAGRPOTrainer` through TRL's `rollout_func` ([`ReplayRollout`]), in both sample layouts
@@ -26,7 +26,7 @@ replayed to `DTAGRPOTrainer` through TRL's `rollout_func` ([`ReplayRollout`]), i
 on the same rows; in the episode layout that is `GRPOTrainer`'s computation) and `dta`. The ideal FLOP ratio and the
 compression are those of the step's forest (all rows of the generation: one generation per optimizer step) over the
 dense run of the same layout; `step_vs_dense_episode` compares step times across layouts. Writes
-`benchmarks/results/trainer-agent[-quick].csv/.png/.md`.
+`benchmarks/results/trainer-agent[-quick][-<shape>].csv/.png/.md`.
 
 `--agent --domain airline|retail|telecom|mock`: the same on a real tau2-bench domain (`benchmarks.tau2_workload`):
 gold-action episodes and variants of them, tau2's system prompt and tool schemas, tool outputs from the real database,
@@ -457,7 +457,8 @@ def run_agent(args, shape: str, threads: int | None) -> None:
     for row in rows:  # step times across layouts: the layouts train different row counts over the same episodes
         row["step_vs_dense_episode"] = reference["step_s"] / row["step_s"] if reference and row.get("step_s") else None
     name = "trainer-agent" + ("" if args.domain == "standin" else f"-tau2-{args.domain}") + \
-        ("-quick" if args.quick else "") + ("" if args.device == "cpu" else f"-{args.device}-{args.dtype}")
+        ("-quick" if args.quick else "") + ("" if args.device == "cpu" else f"-{args.device}-{args.dtype}") + \
+        (f"-{shape}" if args.model_shape else "")
     path = common.write_csv(rows, f"benchmarks/results/{name}.csv")
     common.plot(path)
     table = common.markdown_table(rows, columns=AGENT_COLUMNS)
@@ -534,7 +535,8 @@ def main(argv=None) -> None:
     for r in rows:  # the dense reference of this benchmark is TRL's trainer
         r["method"] = {"trl": "dense", "trl+ckpt": "dense+ckpt"}.get(r["method"], r["method"])
     common.fill_ratios(rows)
-    name = "trainer" + ("-quick" if args.quick else "") + ("" if cpu else f"-{args.device}-{args.dtype}")
+    name = "trainer" + ("-quick" if args.quick else "") + ("" if cpu else f"-{args.device}-{args.dtype}") + \
+        (f"-{shape}" if args.model_shape else "")
     path = common.write_csv(rows, f"benchmarks/results/{name}.csv")
     common.plot(path)
     table = common.markdown_table(rows)

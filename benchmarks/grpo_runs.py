@@ -59,9 +59,9 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     for run in runs:
         mine = [row for row in rows if row["run"] == run]
         curve.plot([r["step"] for r in mine], [r["reward"] for r in mine], marker=".", label=f"{run}: reward")
-        if mine[0]["answer_reward"] is not None:
-            curve.plot([r["step"] for r in mine], [r["answer_reward"] for r in mine], linestyle=":",
-                       label=f"{run}: answer_reward")
+        for part, style in (("number_format_reward", "--"), ("answer_reward", ":")):
+            if mine[0][part] is not None:
+                curve.plot([r["step"] for r in mine], [r[part] for r in mine], linestyle=style, label=f"{run}: {part}")
     curve.set_xlabel("optimizer step")
     curve.set_ylabel("mean reward")
     curve.set_title(title)
