@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(runs), figsize=(max(6.5, 5 * len(runs)), 3.8), squeeze=False)
     for ax, (label, rows) in zip(axes[0], runs.items()):
         steps = [row["step"] for row in rows]
         ax.plot(steps, [row["reward"] for row in rows], "k-o", label="reward (weighted)")
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
     axes[0][0].set_ylabel("mean reward")
-    fig.suptitle("recipes/agent.py, SmolLM2-135M-Instruct (LoRA), 2-core shared CPU")
+    fig.suptitle("recipes/agent.py, SmolLM2-135M-Instruct (LoRA), 2-core CPU", fontsize=10)
     fig.tight_layout()
     fig.savefig(RESULTS / f"{args.name}.png", dpi=110)
 

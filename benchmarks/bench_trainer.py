@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trl_dta.flops import dense_flops, get_model_shape, tree_flops
+from trl_dta.flops import dense_flops, tree_flops
 
 from . import common, workloads
 
@@ -288,7 +288,7 @@ def agent_episodes(sizes: dict, seed: int = 0):
         episodes = tau2_workload.gold_episodes(domain, tau2_workload.domain_task_ids(domain, sizes["tasks"]),
                                                sizes["group"], bpe)
         tokenizer = build_tokenizer()  # pad 0, eos 2: the relabelled episodes' special ids
-        vocab = get_model_shape(sizes.get("shape", "bench-cpu")).vocab_size
+        vocab = common.model_shape(sizes.get("shape", "bench-cpu")).vocab_size
         tau2_workload.compact_ids(episodes, vocab, bpe.eos_token_id, new_eos=tokenizer.eos_token_id)
         return _Tau2Prompts(), tokenizer, episodes
     from trl_dta.envs import Generation, RetailDomain, play_episodes
@@ -438,8 +438,8 @@ def run_agent(args, shape: str, threads: int | None) -> None:
                f"{episodes[0].prompt_length} tokens, episodes {min(len(e.ids) for e in episodes)}-"
                f"{max(len(e.ids) for e in episodes)} tokens, {len({tuple(e.ids) for e in episodes})} distinct")
     rows = []
-    for layout in AGENT_LAYOUTS:
-        for method in AGENT_METHODS:
+    for layout in args.agent_layouts:
+        for method in args.agent_methods:
             try:
                 row = common.run_isolated(measure_agent, sizes, layout, method, shape, args.device, args.dtype,
                                           args.steps, threads, isolate=not args.no_isolate)
@@ -487,6 +487,11 @@ def main(argv=None) -> None:
                    help="multi-turn agent episodes, dense and DTA in the episode and per-turn layouts")
     p.add_argument("--agent-tasks", type=int, default=None, help="--agent: tasks per optimizer step (preset: 2/4)")
     p.add_argument("--agent-group", type=int, default=None, help="--agent: episodes per task, G (preset: 4/8)")
+    p.add_argument("--agent-methods", default=",".join(AGENT_METHODS), type=common.names(AGENT_METHODS, "method"),
+                   help="--agent: methods to run (e.g. `dta` alone where the dense rows would take hours: airline "
+                   "per-turn at SmolLM2's size is 546K dense tokens per step)")
+    p.add_argument("--agent-layouts", default=",".join(AGENT_LAYOUTS), type=common.names(AGENT_LAYOUTS, "layout"),
+                   help="--agent: sample layouts to run")
     p.add_argument("--policy-chars", type=int, default=None,
                    help="--agent: system prompt length in characters = tokens (preset: 0 (~500)/2048)")
     p.add_argument("--domain", default="standin", choices=["standin", "airline", "retail", "telecom", "mock", "all"],
