@@ -427,7 +427,9 @@ def run_agent(args, shape: str, threads: int | None) -> None:
 
         domains = tau2_workload.DOMAINS if args.domain == "all" else (args.domain,)
         if args.stats_only:
-            tau2_workload.run_stats(domains, sizes["tasks"], sizes["group"])
+            suffix = "" if args.domain == "all" else f"-{args.domain}"  # one domain's numbers beside all domains'
+            tau2_workload.run_stats(domains, sizes["tasks"], sizes["group"],
+                                    out=f"benchmarks/results/tau2-agent-stats{suffix}.csv")
             return
         if len(domains) != 1:
             raise SystemExit("--domain all only with --stats-only; train one domain at a time")
@@ -499,7 +501,7 @@ def main(argv=None) -> None:
                    "episodes, real system prompt and tools, DeepSeek BPE lengths")
     p.add_argument("--stats-only", action="store_true",
                    help="--agent --domain: only the workload numbers (prompt tokens, turns, compression per layout, "
-                   "gold reward), no training; writes benchmarks/results/tau2-agent-stats.*")
+                   "gold reward), no training; writes benchmarks/results/tau2-agent-stats[-<domain>].*")
     args = p.parse_args(argv)
     if args.compression:
         rows = step_compression()
