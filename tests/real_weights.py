@@ -29,3 +29,13 @@ def cut_smollm2(folder, layers=SMOLLM2_LAYERS, dtype=torch.float32):
     if getattr(model.config, "layer_types", None):
         model.config.layer_types = [model.config.layer_types[i] for i in layers]
     return model
+
+
+@torch.no_grad()
+def sample_through_eos(model, prefix: list[int], n: int, max_new_tokens: int, eos: int) -> list[list[int]]:
+    """`n` completions of `prefix` sampled from `model` at temperature 1 (no top-k / top-p), each cut after its first
+    `eos` (SmolLM2's `<|im_end|>`), from torch's global generator (the caller seeds it)."""
+    out = model.generate(torch.tensor([prefix]), attention_mask=torch.ones(1, len(prefix), dtype=torch.long),
+                         do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                         num_return_sequences=n, pad_token_id=eos)
+    return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, len(prefix):].tolist()]

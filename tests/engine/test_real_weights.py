@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import float64_twin
-from real_weights import cut_smollm2
+from real_weights import cut_smollm2, sample_through_eos
 from reference import compare_grads, compare_lists, dense_forward_backward, grads_of
 from test_precision import BF16, OFF, _assert_as_precise, loss_fn
 from trl_dta import DTAEngine
@@ -37,15 +37,7 @@ def rollouts(smollm2_dir) -> list[torch.Tensor]:
     eos = tokenizer.eos_token_id
 
     def sample(prefix: torch.Tensor, n: int, tokens: int) -> list[torch.Tensor]:
-        with torch.no_grad():
-            out = model.generate(prefix[None], attention_mask=torch.ones_like(prefix)[None], do_sample=True,
-                                 temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=tokens, num_return_sequences=n,
-                                 pad_token_id=eos)
-        rows = []
-        for row in out[:, len(prefix):]:
-            ends = (row == eos).nonzero()
-            rows.append(row[: int(ends[0]) + 1] if len(ends) else row)  # through the first <|im_end|>
-        return rows
+        return [torch.tensor(row) for row in sample_through_eos(model, prefix.tolist(), n, tokens, eos)]
 
     def chat(messages: list[dict]) -> torch.Tensor:
         return torch.tensor(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
@@ -64,7 +56,7 @@ def rollouts(smollm2_dir) -> list[torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def models(smollm2_dir):
-    """The cut model in float32, and the float64 oracle on the rollouts with the same weights (`float64_twin`)."""
+    """The cut model in float32."""
     return cut_smollm2(smollm2_dir, dtype=torch.float32)
 
 

@@ -23,6 +23,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
+from real_weights import sample_through_eos
 from trl_dta.trainers import DTAGRPOConfig, DTAGRPOTrainer
 
 from .conftest import EOS, compare_in_precision
@@ -42,15 +43,9 @@ class SampledRollout:
         self.samples: dict[tuple[int, ...], list[list[int]]] = {}
 
     def _sample(self, ids: list[int], n: int) -> list[list[int]]:
-        with torch.random.fork_rng(), torch.no_grad():
+        with torch.random.fork_rng():
             torch.manual_seed(sum(ids) * 1009 + len(ids))
-            out = self.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                      do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=n,
-                                      max_new_tokens=self.max_tokens, pad_token_id=EOS)
-        rows = []
-        for row in out[:, len(ids):].tolist():
-            rows.append(row[: row.index(EOS) + 1] if EOS in row else row)
-        return rows
+            return sample_through_eos(self.model, ids, n, self.max_tokens, EOS)
 
     def __call__(self, prompts: list, trainer) -> dict:
         tokenizer = trainer.processing_class
