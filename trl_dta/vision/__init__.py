@@ -14,9 +14,9 @@ vision-language family), `checks.py` (an engine call's refusals), `inputs.py` (t
 
 from .checks import check_call, keyed_batch
 from .families import VISION_FAMILIES, VisionFamily, VisionSpec, image_blocker, is_vision_language, spec_of
-from .images import SUPPORTED_KEYS, ImageInputs, ImageTable, key_images, row_images
+from .images import SUPPORTED_KEYS, ImageInputs, ImageTable, batch_images, key_images, keyed_rows, row_images
 from .inputs import VisionInputs, tree_positions
 
 __all__ = ["SUPPORTED_KEYS", "VISION_FAMILIES", "ImageInputs", "ImageTable", "VisionFamily", "VisionInputs",
-           "VisionSpec", "check_call", "image_blocker", "is_vision_language", "key_images", "keyed_batch",
-           "row_images", "spec_of", "tree_positions"]
+           "VisionSpec", "batch_images", "check_call", "image_blocker", "is_vision_language", "key_images",
+           "keyed_batch", "keyed_rows", "row_images", "spec_of", "tree_positions"]

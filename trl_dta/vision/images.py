@@ -182,3 +182,39 @@ def row_images(batch: dict) -> list[ImageInputs | None] | None:
     grid_rows = grid.cpu().split(list(batch["num_images"]))
     patch_rows = pixel_values.split([int(g.prod(-1).sum()) for g in grid_rows])
     return [ImageInputs(pv, g) if len(g) else None for pv, g in zip(patch_rows, grid_rows)]
+
+
+def batch_images(seqs: Sequence[torch.Tensor], scored: Sequence[int], batch: dict,
+                 keys: dict | None) -> list[ImageInputs | None] | None:
+    """Each row's images of a TRL batch (None for a row without), for its unpadded rows `seqs`; None when TRL's dense
+    path must run the batch: a vision input the keyed path does not read ([`row_images`]), images for a model whose
+    images DTA does not run (`keys` None), or an image token among a row's scored tokens (an image in a completion: a
+    tool's response).
+
+    Args:
+        seqs (`Sequence[torch.LongTensor]`): the batch's rows, unpadded (`batch.Layout`), `(len_i,)`.
+        scored (`Sequence[int]`): each row's scored (completion) tokens, its last `scored[i]`.
+        batch (`dict`): the TRL batch (or the vision keyword arguments of TRL's log-prob call).
+        keys (`dict`, *optional*): `key_images`'s keyword arguments (`VisionSpec.keys`).
+    """
+    rows = row_images(batch)
+    if rows is None or (rows and keys is None):
+        return None
+    if not rows:
+        return [None] * len(seqs)
+    image = keys["image_token_id"]
+    if any(n and bool((seq[len(seq) - n:] == image).any()) for seq, n in zip(seqs, scored)):
+        return None
+    return rows
+
+
+def keyed_rows(seqs: Sequence[torch.Tensor], scored: Sequence[int], batch: dict,
+               keys: dict | None) -> tuple[list[torch.Tensor], ImageTable | None] | None:
+    """[`batch_images`]' rows keyed ([`key_images`]) with the table of their distinct images (None for a text-only
+    batch), or None where [`batch_images`] is."""
+    rows = batch_images(seqs, scored, batch, keys)
+    if rows is None:
+        return None
+    if all(row is None for row in rows):
+        return list(seqs), None
+    return key_images(seqs, rows, **keys)
