@@ -1,6 +1,7 @@
-"""`DTAGRPOTrainer` (and `DTARLOOTrainer`) against TRL's trainers on a vision-language model with images: the embedded tiny Qwen2-VL and
-its shape-counting prompts (`trl_dta.tiny_vlm`: one image per prompt, 36 image tokens of a ~50-token prompt), loaded
-by name from a folder as TRL loads a model, the processor as `processing_class` (TRL's `_is_vlm`).
+"""`DTAGRPOTrainer` (and `DTARLOOTrainer`) against TRL's trainers on a vision-language model with images: the
+embedded tiny Qwen2-VL and its shape-counting prompts (`trl_dta.tiny_vlm`: one image per prompt, 36 image tokens of a
+~50-token prompt), loaded by name from a folder as TRL loads a model, the processor as `processing_class` (TRL's
+`_is_vlm`).
 
 - float32 (`bf16=False`), with a reference model (`beta=0.04`, reloaded by TRL from the folder, its log-probs
   through the engine with the images): DTA's update no farther from TRL's float64 update than `update_slack` times
@@ -10,17 +11,26 @@ by name from a folder as TRL loads a model, the processor as `processing_class` 
   (`conftest.assert_bf16_bar`): DTA's bf16 update as close to TRL's float32 update as TRL's bf16 update is, within
   the derived multiple. RLOO too, at its defaults (`beta=0.05`: the reference model's log-probs with the images).
 
-Each checks that every micro-batch ran through DTA with its images (no dense fallback), that the tower ran once per
-distinct image (`dta/images` = prompts, `dta/image_rows` = rows), and that the vision tower's weights moved.
+Each equivalence test checks that every micro-batch ran through DTA with its images (no dense fallback), that the
+tower ran once per distinct image (`dta/images` = prompts, `dta/image_rows` = rows), and that the vision tower's
+weights moved.
+
+At construction (`trainers/support.py`): a vision-language family whose images DTA does not run is refused (Gemma 3),
+a supported one builds its engine, and FSDP2's per-layer schedule is refused for it.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
+import transformers
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-from trl_dta import tiny_vlm
+from trl_dta import DTAEngine, tiny_vlm
+from trl_dta.refusal import DTAUnsupportedError
 from trl_dta.trainers import DTAGRPOConfig, DTAGRPOTrainer, DTARLOOConfig, DTARLOOTrainer
+from trl_dta.trainers.support import check_policy, check_schedule
+from vision_models import VOCAB, make_vlm
 
 from .conftest import compare_in_precision
 
@@ -61,3 +71,20 @@ def test_images_match_trl(tmp_path, vlm_dir, processor, image_dataset, trainer, 
         assert entry["dta/compression_ratio"] > 2.0  # the image tokens are the shared prefix
     moved = [n for n in dta.final if ".visual." in n and not dta.final[n].equal(dta.initial[n])]
     assert moved, "the vision tower did not train"
+
+
+def test_construction_refusals():
+    engine = []
+    qwen = make_vlm("qwen2_vl", torch.float32)
+    check_policy(qwen, is_vlm=True, aux_loss_enabled=False, build_engine=lambda: engine.append(DTAEngine(qwen)))
+    assert engine[0].vision is not None and engine[0].vision.model_type == "qwen2_vl"
+    with pytest.raises(DTAUnsupportedError, match="dta_fsdp_schedule='window'"):
+        check_schedule(engine[0], lockstep=True)
+    gemma = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=8),
+        vision_config=dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=8, patch_size=4), mm_tokens_per_image=4, image_token_id=VOCAB - 3))
+    with pytest.raises(DTAUnsupportedError, match="bidirectionally") as refusal:
+        check_policy(gemma, is_vlm=True, aux_loss_enabled=False, build_engine=lambda: DTAEngine(gemma))
+    assert "dta_enabled=False" in str(refusal.value)

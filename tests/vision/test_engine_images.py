@@ -6,6 +6,7 @@ two images).
 - float64, the towers' float32 rotation removed on both sides (`vision_models.exact_vision_rope`) and the RMSNorms in
   float64: log-probs, entropies, the loss and every parameter gradient (vision tower and projector included) within
   1e-10, for Qwen2-VL and Qwen2.5-VL, packed rows and the walk with recompute; the no-grad call too.
+- LoRA on every linear layer, the tower's included (PEFT's `all-linear`): the adapters' gradients, float64, 1e-10.
 - The image keys: equal images share their tokens, different ones do not; TRL's batch layout read per row.
 - Refusals: images for a model without a vision tower or of a refused family (Gemma 3), an image among the scored
   tokens, the lockstep walk.
@@ -22,7 +23,7 @@ from reference import compare_grads, compare_lists, dense_forward_backward, grad
 from test_engine import nonlinear_loss
 from trl_dta import DTAEngine, PrefixTree
 from trl_dta.refusal import DTAUnsupportedError
-from trl_dta.vision import ImageInputs, key_images, row_images
+from trl_dta.vision import ImageInputs, batch_images, key_images, row_images
 from vision_models import IMAGE, VLM_FAMILIES, VOCAB, dense_inputs, exact_vision_rope, image, image_batch, make_vlm
 
 TOL = 1e-10
@@ -70,6 +71,27 @@ def test_float64_exact(exact_vlm, schedule):
     assert stats["compression_ratio"] == stats["tokens"] / stats["tree_tokens"] > 2
 
 
+def test_lora_on_the_tower_float64_exact():
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False)
+    model = get_peft_model(use_input_dtype_norms(make_vlm("qwen2_vl")), config)
+    inputs = [dense_inputs(s, im) for s, im in zip(SEQS, IMAGES)]
+    with exact_vision_rope():
+        _, want_lps, _ = dense_forward_backward(model, SEQS, nonlinear_loss, n_scored=N_SCORED, inputs=inputs)
+        want = grads_of(model)
+        model.zero_grad()
+        out = DTAEngine(model).forward_backward(SEQS, nonlinear_loss, entropy=True, n_scored=N_SCORED, images=IMAGES)
+    got = grads_of(model)
+    assert any(".visual." in n and "lora_" in n for n in want), "no adapter on the vision tower"
+    assert all("lora_" in n for n in got)  # the base stays frozen
+    err, where = compare_lists(out.logps, want_lps)
+    assert err <= TOL, f"logps: {err:.3g} at sequence {where}"
+    err, name = compare_grads(got, want)
+    assert err <= TOL, f"gradients: {err:.3g} at {name}"
+
+
 def test_image_keys():
     """Equal images get equal keys (their tokens are shared), different images and images at other places do not;
     a placeholder count that does not match the images is refused, as the model refuses it."""
@@ -100,6 +122,15 @@ def test_row_images_of_trl_batches():
     assert all((x is None) == (y is None) for x, y in zip(row_images(split), rows))
     assert row_images({"prompt_ids": torch.zeros(1, 2)}) == []
     assert row_images({**batch, "image_sizes": torch.ones(2, 2)}) is None
+    # What the trainers hand the engine: the rows' images, or None (TRL's dense path) for images DTA cannot key.
+    keys = dict(image_token_id=IMAGE, vocab_size=VOCAB, merge_size=2)
+    seqs = [torch.tensor([1] + [IMAGE] * 4 + [7, 8]), torch.tensor([1, 7, 8]), torch.tensor([1, IMAGE, IMAGE, 9])]
+    got = batch_images(seqs, [2, 2, 1], batch, keys)
+    assert got[1] is None and torch.equal(got[0].pixel_values, a.pixel_values) and torch.equal(got[2].grid_thw,
+                                                                                                b.grid_thw)
+    assert batch_images(seqs, [2, 2, 3], batch, keys) is None  # an image among a completion's tokens
+    assert batch_images(seqs, [2, 2, 1], batch, None) is None  # images for a model whose images DTA does not run
+    assert batch_images(seqs, [2, 2, 1], {"prompt_ids": batch["prompt_ids"]}, None) == [None] * 3
 
 
 def test_refusals():
