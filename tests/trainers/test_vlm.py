@@ -15,6 +15,8 @@ Each equivalence test checks that every micro-batch ran through DTA with its ima
 tower ran once per distinct image (`dta/images` = prompts, `dta/image_rows` = rows), and that the vision tower's
 weights moved.
 
+`dta_group_shuffle=True` with images: every micro-batch holds one whole group (one image), float64 updates equal TRL's.
+
 At construction (`trainers/support.py`): a vision-language family whose images DTA does not run is refused (Gemma 3),
 a supported one builds its engine, and FSDP2's per-layer schedule is refused for it.
 """
@@ -32,7 +34,7 @@ from trl_dta.trainers import DTAGRPOConfig, DTAGRPOTrainer, DTARLOOConfig, DTARL
 from trl_dta.trainers.support import check_policy, check_schedule
 from vision_models import VOCAB, make_vlm
 
-from .conftest import compare_in_precision
+from .conftest import assert_equivalent, assert_params_close, compare_in_precision, train
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +90,22 @@ def test_construction_refusals():
     with pytest.raises(DTAUnsupportedError, match="bidirectionally") as refusal:
         check_policy(gemma, is_vlm=True, aux_loss_enabled=False, build_engine=lambda: DTAEngine(gemma))
     assert "dta_enabled=False" in str(refusal.value)
+
+
+def test_group_shuffle_with_images(tmp_path, vlm_dir, processor, image_dataset):
+    """The group-aware split moves each row's images with it (TRL's per-row form of `pixel_values` and
+    `image_grid_thw`): micro-batches of one group each, one image each, and the step's update TRL's (dapo's normaliser
+    does not depend on the grouping; float64, as the micro-batches' summation orders differ from TRL's)."""
+    config = dict(loss_type="dapo", precision="fp64", per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                  max_completion_length=4)
+    ref = train(GRPOTrainer, GRPOConfig, vlm_dir, processor, image_dataset, tmp_path / "trl", **config)
+    dta = train(DTAGRPOTrainer, DTAGRPOConfig, vlm_dir, processor, image_dataset, tmp_path / "dta", **config,
+                dta_group_shuffle=True)
+    for batch in dta.trainer._buffered_inputs:
+        assert len({tuple(r) for r in batch["prompt_ids"].tolist()}) == 1, "a micro-batch holds more than one group"
+        grids = batch["image_grid_thw"]
+        patches = batch["pixel_values"].split(grids.prod(-1).tolist())
+        assert all(torch.equal(p, patches[0]) for p in patches), "a micro-batch shows more than one image"
+    assert all(entry["dta/images"] == 2.0 for entry in dta.logs)  # the step's two groups, one image each
+    assert_params_close(ref, dta)
+    assert_equivalent(ref, dta, compare_metrics=False)
