@@ -16,13 +16,17 @@ Launch:
 ```bash
 python recipes/grpo_vlm.py                                   # the embedded VLM (CPU, about a minute)
 python recipes/grpo_vlm.py --dta_enabled false               # TRL's dense path, for comparison
-python recipes/grpo_vlm.py --config recipes/configs/vlm.yaml --use_peft true --lora_target_modules all-linear
+python recipes/grpo_vlm.py --config recipes/configs/vlm.yaml --use_peft true --lora_target_modules all-linear \
+    --lora_dropout 0.0                                       # LoRA on every linear layer, the tower's included
+# Two processes on CPU (DDP over gloo; runs, its equivalence with TRL is not tested with images)
+accelerate launch --config_file recipes/configs/accelerate_multi_cpu.yaml recipes/grpo_vlm.py --use_cpu true
 ```
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -122,4 +126,8 @@ def parse_args(argv: list[str] | None = None):
 
 if __name__ == "__main__":
     quiet_console()
-    main(*parse_args())
+    trainer = main(*parse_args())
+    if trainer.accelerator.num_processes > 1:  # as `recipes/grpo.py`: leave before the gloo group's destructor can hang
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
