@@ -35,11 +35,9 @@ and no one-token segment with children (`PrefixTree.unshared`); a forward of one
 one-token leaf, or a leaf's last block) is padded to two tokens on the right, because transformers' layers decode
 one token with in-place state updates, and its states are not kept (a leaf hands them to nobody).
 
-Inputs adapter (`inputs`, vision-language models: `vision/inputs.py`): every forward asks it for the model's inputs of
-its tokens, `inputs(ids, nodes) -> {"inputs_embeds": ..., "position_ids": ...}` (`nodes`: their flat tree-token
-indices, `-1` for padding), in place of `input_ids` and the depths as `position_ids`; the attention's own positions
-stay the depths. Whatever the adapter's outputs depend on (the vision tower's output, through a gradient sink) is its
-own business; the walk does not change otherwise.
+Inputs adapter (`inputs`, vision-language models: `vision/inputs.py`): every forward takes the model's inputs from
+`inputs(ids, nodes)` (`nodes`: the tokens' flat tree-token indices, `-1` for padding), `inputs_embeds` and
+`position_ids` in place of `input_ids` and the depths; the attention's own positions stay the depths.
 """
 
 from __future__ import annotations
