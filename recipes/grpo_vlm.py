@@ -4,7 +4,7 @@ It trains the embedded vision-language setup, built locally with no network (`tr
 random weights (a 2-layer, 64-wide text model with M-RoPE and a 2-block vision tower), its processor (Qwen2-VL's, over
 a character-level tokenizer, with transformers' PIL image processor), and a shape-counting task: each 48x48 image
 shows 1 to 4 squares, the question asks how many, and the reward scores the number answered against the count. A
-prompt is about 50 tokens, 36 of them the image's; all 8 completions of a prompt share them, so DTA forwards each
+prompt is 74 tokens, 36 of them the image's; all 8 completions of a prompt share them, so DTA forwards each
 prompt (image included) once, runs the vision tower once per prompt instead of once per completion, and
 back-propagates the summed gradients through both once.
 

@@ -19,7 +19,7 @@ def test_vlm_recipe_run(tmp_path):
     assert last.startswith("summary: "), result.stdout[-2000:] + result.stderr[-3000:]
     record = json.loads(last[len("summary: "):])
     assert record["steps"] == 3 and 0.0 <= record["reward_last"] <= 1.0
-    # 4 prompts x 8 completions of <= 4 tokens after a ~50-token prompt (36 image tokens): the tree holds ~1/6.
+    # 4 prompts x 8 completions of <= 4 tokens after a 74-token prompt (36 image tokens): the tree holds ~1/6.
     assert 4.0 < record["compression_ratio"] < 9.0
     assert record["images"] == 4.0 and record["image_rows"] == 32.0
     assert "vision tower on 4.0 distinct images per step instead of 32.0" in result.stdout

@@ -13,7 +13,7 @@ Everything is built offline, in code, from fixed seeds, like the text default (`
   The answer is computable from the image alone, and [`count_reward`] scores it like the arithmetic task (a number
   at all, its closeness, the exact count: `tiny.score_answer`).
 
-A prompt is about 80 tokens, 36 of them the image's; with 8 completions of at most 4 tokens each, a GRPO group's
+A prompt is 74 tokens, 36 of them the image's; with 8 completions of at most 4 tokens each, a GRPO group's
 prefix tree holds about 6x fewer tokens than TRL's dense rows, and the vision tower runs once per prompt instead of 8
 times.
 

@@ -1,6 +1,6 @@
 """`DTAGRPOTrainer` (and `DTARLOOTrainer`) against TRL's trainers on a vision-language model with images: the
 embedded tiny Qwen2-VL and its shape-counting prompts (`trl_dta.tiny_vlm`: one image per prompt, 36 image tokens of a
-~50-token prompt), loaded by name from a folder as TRL loads a model, the processor as `processing_class` (TRL's
+74-token prompt), loaded by name from a folder as TRL loads a model, the processor as `processing_class` (TRL's
 `_is_vlm`).
 
 - float32 (`bf16=False`), with a reference model (`beta=0.04`, reloaded by TRL from the folder, its log-probs
