@@ -41,6 +41,9 @@ GROUPS = (
      "the attention's own checks, the hybrids' recurrent layers",
      ("trl_dta/modeling/support.py", "trl_dta/modeling/families.py", "trl_dta/refusal.py",
       "trl_dta/modeling/attention.py", "trl_dta/recurrent/")),
+    ("Images (vision-language models)", "giving the engine or a trainer a vision-language model and its images: the "
+     "families whose images DTA runs, images among the scored tokens, keys that do not match the images",
+     ("trl_dta/vision/",)),
     ("Several processes", "`accelerate launch`, DDP, FSDP2, DeepSpeed: the distributed settings DTA refuses",
      ("trl_dta/parallel/", "trl_dta/distributed.py", "trl_dta/trainers/launch.py")),
     ("Calling the engine", "`DTAEngine`, `PrefixTree` and the kernels directly",
@@ -57,8 +60,10 @@ GROUPS = (
     ("The analyzer", "`trl-dta analyze` and what it calls (reading rollouts, FLOP and memory estimates)",
      ("trl_dta/cli.py", "trl_dta/analysis/", "trl_dta/flops.py", "trl_dta/memory.py")),
     ("The recipes' models and tasks, and the package", "`trl_dta.tiny` (the tiny model and task), "
-     "`trl_dta.pretrained` (the real model from its wheel), `trl_dta.word_problems`, `import trl_dta`",
-     ("trl_dta/tiny.py", "trl_dta/pretrained.py", "trl_dta/word_problems.py", "trl_dta/__init__.py")),
+     "`trl_dta.tiny_vlm` (the tiny vision-language model and its counting task), `trl_dta.pretrained` (the real model "
+     "from its wheel), `trl_dta.word_problems`, `import trl_dta`",
+     ("trl_dta/tiny.py", "trl_dta/tiny_vlm.py", "trl_dta/pretrained.py", "trl_dta/word_problems.py",
+      "trl_dta/__init__.py")),
 )
 
 # Raised but not refusals: the environments' answers to the policy (a bad tool call or turn is answered with an error

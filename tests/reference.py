@@ -13,13 +13,14 @@ def _text_config(model):
     return model.config.get_text_config()
 
 
-def dense_logps(model, seq: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def dense_logps(model, seq: torch.Tensor, temperature: float = 1.0, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies of `seq` `(len,)` under `model`, each `(len - 1,)`, in the logits' dtype (float32
-    for half-precision models)."""
+    for half-precision models). `inputs`: more of the model's forward arguments for this sequence (a vision-language
+    model's `pixel_values`, `image_grid_thw`, `mm_token_type_ids`)."""
     if len(seq) == 0:
         empty = torch.zeros(0, dtype=torch.float32)
         return empty, empty
-    logits = model(input_ids=seq[None]).logits[0, :-1]
+    logits = model(input_ids=seq[None], **inputs).logits[0, :-1]
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     logits = logits / temperature
@@ -29,16 +30,18 @@ def dense_logps(model, seq: torch.Tensor, temperature: float = 1.0) -> tuple[tor
     return logps, entropy
 
 
-def dense_forward_backward(model, seqs, loss_fn, temperature: float = 1.0, n_scored=None, entropy: bool = True):
+def dense_forward_backward(model, seqs, loss_fn, temperature: float = 1.0, n_scored=None, entropy: bool = True,
+                           inputs=None):
     """`sum_i loss_fn(i, logps_i, entropy_i)`, one sequence at a time; gradients accumulate into `.grad`.
-    With `n_scored`, only the last `n_scored[i]` log-probs of sequence `i` are passed on.
+    With `n_scored`, only the last `n_scored[i]` log-probs of sequence `i` are passed on; with `inputs`, sequence
+    `i`'s forward gets `**inputs[i]` too (its images).
 
     Returns `(total_loss, logps, entropies)` (detached).
     """
     total, lps, ents = 0.0, [], []
     for i, s in enumerate(seqs):
         s = torch.as_tensor(s, dtype=torch.long)
-        lp, ent = dense_logps(model, s, temperature)
+        lp, ent = dense_logps(model, s, temperature, **(inputs[i] if inputs is not None else {}))
         if n_scored is not None:
             keep = len(lp) - min(n_scored[i], len(lp))
             lp, ent = lp[keep:], ent[keep:]

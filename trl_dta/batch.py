@@ -25,7 +25,8 @@ import torch
 # environment and the analyzer.
 SAMPLE_LAYOUTS = ("episode", "per_turn")
 
-# Inputs of vision-language models: a batch carrying any of them is left to TRL's dense path.
+# Inputs of vision-language models TRL's batches carry: DTA keys Qwen2-VL-style images (`vision.SUPPORTED_KEYS`,
+# `vision/images.py`); a batch with any other of them is left to TRL's dense path.
 VISION_KEYS = (
     "pixel_values",
     "image_grid_thw",

@@ -2,7 +2,9 @@
 
 An engine call (1) validates every argument before any forward, (2) builds the [`PrefixTree`] and the [`ScorePlan`],
 (3) takes the model for itself (one engine call per model at a time) and routes its attention to DTA, and (4) runs a
-[`TreeWalk`], whose counters become `DTAOutput.stats` and `engine.last_stats`.
+[`TreeWalk`], whose counters become `DTAOutput.stats` and `engine.last_stats`. A call with images (vision-language
+models, `vision/`) keys its sequences' image tokens by image, runs the vision tower once per distinct image before the
+walk (its inputs adapter) and back-propagates it once after.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import _checks, kernels
+from .. import _checks, kernels, vision
 from ..flops import ModelShape
 from ..modeling import attention
 from ..modeling.routers import RouterCapture, router_spec
@@ -129,10 +131,20 @@ class DTAEngine:
     `accelerator.autocast()`) or the one accelerate's mixed-precision wrapper puts around a prepared model's forward
     (`trl_dta.precision`); the loss and the backward run outside autocast, as `accelerator.backward` does.
 
+    Vision-language models (the rows of `vision.VISION_FAMILIES` without a rule: Qwen2-VL, Qwen2.5-VL): the calls'
+    `images` argument gives each sequence's images; the sequences hold the processor's ids, each image's placeholder
+    token repeated once per image token. The engine keys every image token by its image (`vision.key_images`), so the
+    tree shares an image's tokens exactly where the images are equal, runs the vision tower once per distinct image,
+    numbers the tree tokens with the model's M-RoPE positions, and sums the gradients of every sequence on the
+    tower's output before back-propagating it once (`vision/inputs.py`). Images must lie outside the scored tokens
+    (in the prompt). Without `images` a vision-language model runs text-only sequences as any causal LM.
+
     Stats of the last call (`engine.last_stats`, also `DTAOutput.stats`): `sequences`, `tokens`, `tree_tokens`,
     `compression_ratio`, `forward_tokens` (real tokens forwarded, recompute included), `padded_tokens` (with row
     padding), `recomputed_tokens`, `scored_positions` (rows projected through the LM head), `peak_graph_tokens`,
-    `forwards`, `backwards`, `idle_batches` (lockstep batches without work), `seconds`.
+    `forwards`, `backwards`, `idle_batches` (lockstep batches without work), `seconds`; with images, `images`
+    (distinct images through the tower), `image_tokens` (their tokens) and `image_rows` (images over all sequences:
+    what the dense path runs the tower on). `tokens` and `tree_tokens` count image tokens like text tokens.
     """
 
     def __init__(self, model, *, block_size: int = 1024, max_batch_tokens: int = 8192,
@@ -158,6 +170,7 @@ class DTAEngine:
         self._device_backend(lm)  # an unavailable backend is refused here, not at the first call
         self.n_layers = self._config.num_hidden_layers
         self.layout = LayerLayout.from_config(self._config)
+        self.vision = vision.spec_of(lm)  # None: no vision tower, or one whose images DTA does not run
         attention.register()
 
     def _precision(self, lm) -> Precision:
@@ -189,7 +202,8 @@ class DTAEngine:
     @torch.no_grad()
     def logprobs(self, seqs: Iterable | PrefixTree, *, temperature: float = 1.0, entropy: bool = False,
                  n_scored: int | Sequence[int] | None = None,
-                 router_loss: routers.LoadBalancing | None = None, lockstep: Lockstep | None = None) -> DTAOutput:
+                 router_loss: routers.LoadBalancing | None = None, lockstep: Lockstep | None = None,
+                 images: Sequence[vision.ImageInputs | None] | vision.ImageTable | None = None) -> DTAOutput:
         """Per-sequence next-token log-probs (and entropies), without grad.
 
         Args:
@@ -205,18 +219,21 @@ class DTAEngine:
                 (`DTAOutput.router_aux`; counted in the same walk, no extra forward).
             lockstep (`Callable[[int], int]`, *optional*): run in lockstep with the other processes (class docstring);
                 defaults to `engine.lockstep`.
+            images (`list[ImageInputs | None]` or `ImageTable`, *optional*): vision-language models: each sequence's
+                images (class docstring), None for a sequence without (with a `PrefixTree`, in the order of its
+                `seqs`); or the `ImageTable` of sequences already keyed by `vision.key_images`.
 
         Returns:
             [`DTAOutput`] with `logps[i][t - 1] = log p(s_i[t] | s_i[:t])` for `t = 1 .. len_i - 1` (only the last
             `n_scored[i]` of them when given).
         """
         return self._call(seqs, loss_fn=None, temperature=temperature, entropy=entropy, n_scored=n_scored,
-                          router_loss=_router_request(router_loss), lockstep=lockstep)
+                          router_loss=_router_request(router_loss), lockstep=lockstep, images=images)
 
     def forward_backward(self, seqs: Iterable | PrefixTree, loss_fn: LossFn, *, temperature: float = 1.0,
                          entropy: bool = False, n_scored: int | Sequence[int] | None = None,
-                         router_loss: routers.LoadBalancing | None = None,
-                         lockstep: Lockstep | None = None) -> DTAOutput:
+                         router_loss: routers.LoadBalancing | None = None, lockstep: Lockstep | None = None,
+                         images: Sequence[vision.ImageInputs | None] | vision.ImageTable | None = None) -> DTAOutput:
         """Run `sum_i loss_fn(i, logps_i, entropy_i)` forward and backward through the tree.
 
         Afterwards every parameter's `.grad` has been increased by exactly what
@@ -235,6 +252,8 @@ class DTAEngine:
                 load-balancing loss of each group of sequences as transformers computes it on the group's padded
                 batch (`router_loss.py`; costs one no-grad forward over the tree, without the LM head, first).
             lockstep (`Callable[[int], int]`, *optional*): as in [`~DTAEngine.logprobs`].
+            images (`list[ImageInputs | None]`, *optional*): as in [`~DTAEngine.logprobs`]; the gradients reach the
+                vision tower and projector (their trainable parameters).
 
         Returns:
             [`DTAOutput`] with the detached total loss and per-sequence log-probs (and entropies).
@@ -244,23 +263,26 @@ class DTAEngine:
                 f"`loss_fn` must be a callable (i, logps_i, entropy_i) -> scalar tensor, got {type(loss_fn).__name__}."
             )
         return self._call(seqs, loss_fn=loss_fn, temperature=temperature, entropy=entropy, n_scored=n_scored,
-                          router_loss=_router_request(router_loss), lockstep=lockstep)
+                          router_loss=_router_request(router_loss), lockstep=lockstep, images=images)
 
     # ------------------------------------------------------------------ one call
 
     def _call(self, seqs, *, loss_fn: LossFn | None, temperature: float, entropy: bool, n_scored,
-              router_loss: routers.LoadBalancing | None, lockstep: Lockstep | None) -> DTAOutput:
+              router_loss: routers.LoadBalancing | None, lockstep: Lockstep | None, images=None) -> DTAOutput:
         t0 = time.perf_counter()
         lockstep = self.lockstep if lockstep is None else lockstep
         temperature = _checks.check_float("temperature", temperature, minimum=0.0, exclusive=True)
         entropy = _checks.check_bool("entropy", entropy)
         lm = _causal_lm(self.model)
-        tree = self._tree(seqs, lm)
+        tree, table = self._tree(seqs, lm, images)
         walked = tree
         if self.layout.hybrid:
             self._refuse_lockstep(lockstep)
             walked = tree.unshared(min_length=2)  # no one-token continuation of a path (`walk.py`)
-        plan = ScorePlan(walked, _n_scored(tree, n_scored))
+        scored = _n_scored(tree, n_scored)
+        if table is not None:
+            vision.check_call(lm, tree, scored, table, lockstep is not None)
+        plan = ScorePlan(walked, scored)
         if loss_fn is not None:
             _checks.check_no_dropout(lm, refusal_subject(lm), _DROPOUT_FIX)
         # Hybrid models: no tree rows (a recurrence cannot follow a tree mask); chains still run as causal rows.
@@ -273,19 +295,27 @@ class DTAEngine:
             spec = router_spec(lm)
             router_loss.check(tree.n_sequences)
         aux, counted, record = None, {}, None
-        with _engine_call(lm, self.max_graph_tokens is not None), \
+        tower = self.vision.family.tower(lm) if self.vision is not None else None
+        with _engine_call(lm, self.max_graph_tokens is not None, keep=tower), \
                 (RouterCapture(lm, spec) if spec else contextlib.nullcontext()) as capture:
             backend = self._device_backend(lm)
+            inputs = None  # the walk's inputs adapter: the vision tower runs here, once per distinct image
+            if table is not None and table.n_tokens:
+                inputs = vision.VisionInputs(lm, self.vision, walked, table, train=loss_fn is not None,
+                                             precision=self._precision(lm))
             observer = None
             if spec is not None and loss_fn is not None:  # training: the counting pass first
                 observer, aux, counted = self._router_counts(lm, walked, budgets, backend, spec, capture, router_loss,
-                                                             lockstep)
+                                                             lockstep, inputs)
             elif spec is not None:  # no grad: the walk itself counts
                 record = routers.new_record(walked, spec, lm.dtype, lm.get_output_embeddings().weight.device)
                 observer = routers.RouterObserver(capture, spec, record=record)
             result = TreeWalk(lm, self.layout, walked, plan, budgets, loss_fn=loss_fn, temperature=temperature,
                               entropy=entropy, attn_backend=backend, precision=self._precision(lm), router=observer,
-                              lockstep=lockstep).run()
+                              lockstep=lockstep, inputs=inputs).run()
+            if inputs is not None:
+                result.stats["backwards"] += int(inputs.backward())  # the tower, once, with every sequence's gradient
+                result.stats.update(inputs.stats)
         if record is not None:
             aux = routers.router_weights(record, walked, router_loss, spec.n_experts).aux
         elif aux is not None:
@@ -300,7 +330,7 @@ class DTAEngine:
         return DTAOutput(result.loss, result.logps, result.entropies, stats, aux)
 
     def _router_counts(self, lm, tree: PrefixTree, budgets: Budgets, backend: str, spec, capture, request,
-                       lockstep: Lockstep | None):
+                       lockstep: Lockstep | None, inputs=None):
         """The counting pass of the load-balancing loss (`router_loss.py`): a no-grad walk without the LM head.
         Returns the training walk's observer, each group's loss value `(n_groups,)` and the pass's counters."""
         device = lm.get_output_embeddings().weight.device
@@ -309,7 +339,7 @@ class DTAEngine:
         plan = ScorePlan(tree, [0] * tree.n_sequences)
         with torch.no_grad():
             walk = TreeWalk(lm, self.layout, tree, plan, budgets, attn_backend=backend,  # no grad, log-probs only
-                             precision=self._precision(lm), router=counting, lockstep=lockstep)
+                             precision=self._precision(lm), router=counting, lockstep=lockstep, inputs=inputs)
             stats = walk.run().stats
         weights = routers.router_weights(record, tree, request, spec.n_experts)
         return routers.RouterObserver(capture, spec, weights=weights.weights), weights.aux, stats
@@ -321,19 +351,25 @@ class DTAEngine:
                 "subtree rows (a recurrence cannot follow a tree mask)",
                 fix="leave `lockstep` unset (under FSDP2: the trainers' `dta_fsdp_schedule='window'`)")])
 
-    def _tree(self, seqs, lm) -> PrefixTree:
-        """The batch as a tree, refused before any forward if the dense model could not run it."""
+    def _tree(self, seqs, lm, images=None) -> tuple[PrefixTree, vision.ImageTable | None]:
+        """The batch as a tree (its image tokens keyed by image, with the table of distinct images, when `images` are
+        given), refused before any forward if the dense model could not run it."""
+        table = None
+        if images is not None:
+            seqs, table = vision.keyed_batch(lm, self.vision, seqs, images)
         if not isinstance(seqs, PrefixTree):
             seqs = PrefixTree.from_sequences(seqs)
         tree = seqs
         if tree.n_sequences == 0:
             raise ValueError("`seqs` is empty: pass at least one sequence.")
         vocab = self._config.vocab_size
+        limit = vocab + (table.n_tokens if table is not None else 0)
         for i, s in enumerate(tree.seqs):
-            if len(s) and (int(s.min()) < 0 or int(s.max()) >= vocab):
-                raise ValueError(f"`seqs[{i}]` has token ids outside [0, {vocab}) (the model's vocab_size).")
+            if len(s) and (int(s.min()) < 0 or int(s.max()) >= limit):
+                keys = f" and the {table.n_tokens} image keys above it" if table is not None else ""
+                raise ValueError(f"`seqs[{i}]` has token ids outside [0, {limit}) (the model's vocab_size{keys}).")
         self._check_lengths(tree, lm)
-        return tree
+        return tree, table
 
     def _check_lengths(self, tree: PrefixTree, lm) -> None:
         """Refuse lengths only where the dense model is limited too: RoPE models run past `max_position_embeddings`."""
@@ -396,10 +432,10 @@ def _refuse_running_call(owner: int | None) -> None:
 
 
 @contextlib.contextmanager
-def _engine_call(lm, budgeted: bool):
-    """Hold `lm` for one engine call: refuse a second call on it, route its attention through DTA and suspend HF
-    gradient checkpointing (`modeling.switch`; warned once unless the engine is `budgeted`: `max_graph_tokens` set),
-    restoring everything on exit."""
+def _engine_call(lm, budgeted: bool, keep=None):
+    """Hold `lm` for one engine call: refuse a second call on it, route its attention through DTA (except `keep`'s, a
+    vision tower's) and suspend HF gradient checkpointing (`modeling.switch`; warned once unless the engine is
+    `budgeted`: `max_graph_tokens` set), restoring everything on exit."""
     key, me = id(lm), threading.get_ident()
     with _CALLS_LOCK:
         owner = _CALLS.get(key)
@@ -408,7 +444,7 @@ def _engine_call(lm, budgeted: bool):
     _refuse_running_call(owner)
     try:
         with attention_implementation(lm, attention.ATTN_IMPLEMENTATION, suspend_checkpointing=True,
-                                      warn=not budgeted):
+                                      warn=not budgeted, keep=keep):
             yield
     finally:
         with _CALLS_LOCK:

@@ -34,6 +34,10 @@ graph. The engine gives such a walk no packed subtree rows and no lockstep (a re
 and no one-token segment with children (`PrefixTree.unshared`); a forward of one token after a non-empty path (a
 one-token leaf, or a leaf's last block) is padded to two tokens on the right, because transformers' layers decode
 one token with in-place state updates, and its states are not kept (a leaf hands them to nobody).
+
+Inputs adapter (`inputs`, vision-language models: `vision/inputs.py`): every forward takes the model's inputs from
+`inputs(ids, nodes)` (`nodes`: the tokens' flat tree-token indices, `-1` for padding), `inputs_embeds` and
+`position_ids` in place of `input_ids` and the depths; the attention's own positions stay the depths.
 """
 
 from __future__ import annotations
@@ -115,12 +119,13 @@ class TreeWalk:
             forward's graph.
         lockstep (`Callable[[int], int]`, *optional*): run in lockstep with other processes (module docstring): called
             once with this walk's number of row batches, returns the number every process runs.
+        inputs (`Callable[[Tensor, Tensor], dict]`, *optional*): the inputs adapter (module docstring).
     """
 
     def __init__(self, lm, layout: LayerLayout, tree: PrefixTree, plan: ScorePlan, budgets: Budgets, *,
                  loss_fn: LossFn | None = None, temperature: float = 1.0, entropy: bool = False,
                  attn_backend: str = "sdpa", precision: Precision | None = None, router=None,
-                 lockstep: Lockstep | None = None):
+                 lockstep: Lockstep | None = None, inputs=None):
         self.lm = lm
         self.backbone = lm.get_decoder()
         self.head = HeadSpec.from_model(lm)
@@ -136,6 +141,8 @@ class TreeWalk:
         self.attn_backend = attn_backend
         self.router = router
         self.lockstep = lockstep
+        self.inputs = inputs
+        self.wants_nodes = router is not None or inputs is not None  # forwards pass their tree-token indices on
         self.stack = KVStack(layout.n_layers)
         self.tokens = [tree.tokens(s.index).to(self.device) for s in tree.segments]  # per segment (length,)
         self.fork_tokens = [torch.stack([self.tokens[c][0] for c in kids]) if kids else None  # (n_forks,)
@@ -182,7 +189,7 @@ class TreeWalk:
         """A forward (and backward) that computes nothing, so that the layers' collectives match the other
         processes': one padding token at position 0, no loss; a router sees it as padding."""
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        nodes = torch.full((1, 1), -1, dtype=torch.long, device=self.device) if self.router is not None else None
+        nodes = torch.full((1, 1), -1, dtype=torch.long, device=self.device) if self.wants_nodes else None
         hidden, _, _, aux = self._forward(ids, 0, nodes)
         self.stats["idle_batches"] += 1
         if self.train:
@@ -217,7 +224,8 @@ class TreeWalk:
         carrier = None
         if self.layout.hybrid:
             carrier = StateCarrier(self.layout, self.stack.states, batch, length, self.stack.length)
-        out = self.backbone(input_ids=ids, position_ids=positions, use_cache=False, dta_ctx=ctx,
+        model_inputs = {"input_ids": ids, "position_ids": positions} if self.inputs is None else self.inputs(ids, nodes)
+        out = self.backbone(**model_inputs, use_cache=False, dta_ctx=ctx,
                             **({"cache": carrier} if carrier is not None else {}))
         attention = self.layout.attention
         if ctx.calls != len(attention) or sorted(ctx.record) != list(attention):
@@ -242,8 +250,8 @@ class TreeWalk:
 
     def _nodes(self, run: tuple[int, ...], lo: int, hi: int) -> torch.Tensor | None:
         """Flat tree-token indices `(1, hi - lo)` of tokens `lo .. hi - 1` of a run (consecutive segments in pre-order:
-        consecutive tree tokens), None without a router term: nobody needs them."""
-        if self.router is None:
+        consecutive tree tokens), None without a router term or an inputs adapter: nobody needs them."""
+        if not self.wants_nodes:
             return None
         offset = self.tree.segments[run[0]].offset
         return torch.arange(offset + lo, offset + hi, device=self.device)[None]
@@ -401,7 +409,7 @@ class TreeWalk:
         segs = self.tree.segments
         packed = pack_rows(self.tree, rows, self.shape, self.tokens, self.device)
         nodes = None
-        if self.router is not None:
+        if self.wants_nodes:
             nodes = torch.full(packed.ids.shape, -1, dtype=torch.long, device=self.device)  # (batch, width)
             for g, (b, col) in packed.columns.items():
                 nodes[b, col : col + segs[g].length] = self._nodes((g,), 0, segs[g].length)[0]

@@ -104,6 +104,8 @@ FAMILIES: dict[str, Family] = {
     # Softmax-attention families.
     **dict.fromkeys(("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "gemma3", "phi3", "olmo",
                      "gpt_neox", "gpt2", "glm4_moe"), Family(tested=True)),
+    # The text models of the vision-language families whose images DTA runs (`vision/families.py`; M-RoPE).
+    **dict.fromkeys(("qwen2_vl_text", "qwen2_5_vl_text"), Family(tested=True)),
     "granite": Family(tested=True, logit_multiplier=_GRANITE),
     "minicpm3": Family(tested=True, logit_multiplier=_GRANITE),
     "cohere": Family(tested=True, logit_multiplier=_COHERE),

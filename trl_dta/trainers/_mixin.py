@@ -12,8 +12,9 @@ values, and what they share between calls is one [`~trl_dta.trainers.window.Hook
   buffered run as one forest (`window.run_window`, TRL-free: one `DTAEngine.forward_backward` with each sequence's
   term of TRL's loss, `losses.py`, or the exact two-pass path for objectives that are not a sum over sequences, and
   TRL's MoE router loss); every micro-step then replays its own micro-batch's log-probs through TRL's `_compute_loss`
-  for its logged loss and metrics. Micro-batches with vision inputs or an unusual padding, and whole windows that
-  compress less than `dta_min_compression`, run TRL's dense path.
+  for its logged loss and metrics. Images (Qwen2-VL, Qwen2.5-VL) join the forest keyed by image (`vision/`: the
+  tower once per distinct image, its embeddings in the shared prefix); micro-batches with other vision inputs or an
+  unusual padding, and whole windows that compress less than `dta_min_compression`, run TRL's dense path.
 - `training_step`: tracks the window; the distributed engine's strategy (`trl_dta.parallel`: DDP, FSDP2, DeepSpeed
   ZeRO, chosen from what accelerate set up) gathers at its start and reduces the gradients once at its end.
 
@@ -44,6 +45,7 @@ from ..engine import DTAEngine
 from ..engine.router_loss import LoadBalancing
 from ..parallel import strategy_for
 from ..tree import PrefixTree
+from ..vision import keyed_rows
 from . import _trl
 from .config import DTAArguments, check_trainer_args, check_trl_version, graph_budget
 from .launch import check_launch
@@ -125,8 +127,9 @@ class DTATrainerMixin:
         # One refusal naming every blocker of the model and of TRL's use of it; builds the policy's engine.
         check_policy(model, is_vlm=_trl.is_vlm(self), aux_loss_enabled=self.aux_loss_enabled,
                      build_engine=lambda: self._dta_engine(model))
-        if not _trl.is_vlm(self):
-            check_schedule(self._dta_engine(model), self._dta_parallel.lockstep)
+        check_schedule(self._dta_engine(model), self._dta_parallel.lockstep)
+        spec = self._dta_engine(model).vision  # a vision-language model whose images DTA runs: how they are keyed
+        self._dta_image_keys = spec.keys() if spec is not None else None
         self._dta_cost_model = CostModel(hidden_size=model.config.get_text_config().hidden_size)
         if self._dta.dta_group_shuffle:
             regrouping_exact(self._dta_rows(), across_ranks=False)  # warns when it is not
@@ -237,10 +240,14 @@ class DTATrainerMixin:
                    compute_aux_loss=False, **multimodal):
         """TRL's `_get_per_token_logps_and_entropies` through the engine for no-grad calls whose batch compresses;
         None when TRL's dense path runs the call."""
-        layout = tree = None
-        if not torch.is_grad_enabled() and all(v is None for v in multimodal.values()):
+        layout = tree = table = None
+        if not torch.is_grad_enabled():
             layout = Layout.from_padded(input_ids, attention_mask, logits_to_keep)
-            tree = PrefixTree.from_sequences(layout.seqs) if layout is not None else None
+            keys = self._dta_image_keys
+            keyed = keyed_rows(layout.seqs, layout.lengths, multimodal, keys) if layout is not None else None
+            if keyed is not None:  # images keyed by image (`vision/`); None: vision inputs for TRL's dense path
+                seqs, table = keyed
+                tree = PrefixTree.from_sequences(seqs)
         if not decide(tree, self._dta.dta_min_compression, self._dta_parallel):
             return None
         engine = self._dta_engine(self.accelerator.unwrap_model(model))
@@ -250,7 +257,7 @@ class DTATrainerMixin:
         router_loss = LoadBalancing(chunks, [1.0] * len(chunks)) if compute_aux_loss else None
         with self.accelerator.autocast(), self._dta_parallel.engine_call(model, False) as lockstep:
             out = engine.logprobs(tree, temperature=self.temperature, entropy=compute_entropy,
-                                  n_scored=layout.lengths, router_loss=router_loss, lockstep=lockstep)
+                                  n_scored=layout.lengths, router_loss=router_loss, lockstep=lockstep, images=table)
         logps = as_trl_head_output(layout.gather(out.logps, input_ids.device))
         entropies = as_trl_head_output(layout.gather(out.entropies, input_ids.device)) if compute_entropy else None
         aux_loss = out.router_aux.mean().to(input_ids.device, torch.float32) if compute_aux_loss else None
@@ -364,6 +371,7 @@ class DTATrainerMixin:
             min_compression=self._dta.dta_min_compression,
             sequence_loss=lambda batch: self._dta_sequence_loss(batch, scale), batch_loss=batch_loss,
             router_coef=router_coef, autocast=self.accelerator.autocast, device=self.accelerator.device,
+            image_keys=self._dta_image_keys,
         )
 
     def _dta_run_window(self, model, inputs: dict, num_items_in_batch) -> None:

@@ -20,7 +20,7 @@ PRIVATE_ATTRIBUTES = {
     "_metrics": ("1.16.0", "`{'train': defaultdict(list), 'eval': ...}`: every hook logs next to TRL's metrics"),
     "_step": ("1.16.0", "micro-steps done (incremented by TRL's `training_step`): the window's position"),
     "_buffered_inputs": ("1.16.0", "the generation's micro-batches (`None` before the first): read and written"),
-    "_is_vlm": ("1.16.0", "a vision-language model's processor (refused; tree rollouts generate text only)"),
+    "_is_vlm": ("1.16.0", "a vision-language model's processor (its family's images checked; tree rollouts refuse it)"),
     "_tokenizer": ("1.16.0", "the tokenizer of the processing class: the pad id"),
     "_dist": ("1.16.0", "`DistributedBackend`: FSDP's full parameters summoned for generation"),
     "_entropy_bonus_enabled": ("1.16.0", "GRPO's entropy bonus is on (absent in RLOO)"),

@@ -156,7 +156,7 @@ def split_by_groups(batch: dict, k: int, groups: torch.Tensor, cost_model: CostM
     """
     n = num_rows(batch)
     permutation = torch.randperm(n)  # (n,)
-    layout = None if has_vision_inputs(batch) else Layout.from_batch(batch)
+    layout = Layout.from_batch(batch)  # images: the rows' ids cost them (a group's rows show one image, whole groups)
     if layout is None:
         return split_tensor_dict(take_rows(batch, permutation), k)
     labels = groups[permutation].tolist()

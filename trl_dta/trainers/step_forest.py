@@ -19,6 +19,9 @@ engine calls     one forest of b[0..2] | one forest of b'[0]
 Each sequence keeps the objective of its own micro-batch (`losses.py`, built from that micro-batch's inputs, so every
 normaliser is TRL's); the later micro-steps of the forest replay the stored log-probs through TRL's `_compute_loss`
 for their logged loss and metrics and do no engine work.
+
+Images (vision-language models): the forest's rows are keyed together (`vision.key_images`), so an image shown in
+several micro-batches of the window is one set of tree tokens and one pass of the vision tower.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 
 from ..batch import Layout
 from ..tree import PrefixTree
+from ..vision import ImageInputs, ImageTable, key_images
 
 
 @dataclass(frozen=True)
@@ -92,19 +96,37 @@ class StepForest:
         steps (`list[int]`): the micro-steps (TRL's `_step`) the micro-batches belong to.
         batches (`list[dict]`): the micro-batches (TRL batches).
         layouts (`list[Layout]`): their layouts; micro-batch `k`'s row `j` is forest sequence `offsets[k] + j`.
+        images (`list[list[ImageInputs | None]]`, *optional*): per micro-batch, each row's images (vision-language
+            models); the forest's sequences are then keyed (`vision.key_images`, with `image_keys`).
+        image_keys (`dict`, *optional*): `key_images`'s keyword arguments (`VisionSpec.keys`), with `images`.
+
+    Attributes:
+        tree (`PrefixTree`): the forest, over the keyed sequences.
+        table (`ImageTable`, *optional*): the distinct images of the forest (the engine's `images`), None without.
     """
 
     steps: list[int]
     batches: list[dict]
     layouts: list[Layout]
+    images: list[list[ImageInputs | None]] | None = None
+    image_keys: dict | None = None
     offsets: list[int] = field(init=False)
     tree: PrefixTree = field(init=False)
+    table: ImageTable | None = field(init=False, default=None)
 
     def __post_init__(self):
         self.offsets = [0]
         for layout in self.layouts:
             self.offsets.append(self.offsets[-1] + len(layout.seqs))
-        self.tree = PrefixTree.from_sequences([seq for layout in self.layouts for seq in layout.seqs])
+        seqs = [seq for layout in self.layouts for seq in layout.seqs]
+        if self.images is not None:
+            seqs, self.table = key_images(seqs, [row for rows in self.images for row in rows], **self.image_keys)
+        self._seqs = seqs
+        self.tree = PrefixTree.from_sequences(seqs)
+
+    def sequences(self, k: int) -> list[torch.Tensor]:
+        """Micro-batch `k`'s sequences as the forest holds them (image tokens keyed)."""
+        return self._seqs[self.offsets[k] : self.offsets[k + 1]]
 
     @property
     def n_scored(self) -> list[int]:

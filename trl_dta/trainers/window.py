@@ -5,8 +5,9 @@ micro-batches, the backward's scale, the temperature, the per-sequence objective
 the two-pass path, the router loss's coefficient) and writes the [`WindowResult`] back (the micro-steps stored in its
 [`HookState`], the metrics). Everything in between is here and depends on nothing of TRL:
 
-1. the window's forest (`step_forest.StepForest`) of the micro-batches DTA handles (vision inputs and unusual padding
-   are left to TRL's dense path; under a lockstep strategy all or none of them, so that the ranks' model calls pair);
+1. the window's forest (`step_forest.StepForest`) of the micro-batches DTA handles (images keyed by image,
+   `vision/`; unusual padding and vision inputs other than a supported family's images are left to TRL's dense path;
+   under a lockstep strategy all or none of them, so that the ranks' model calls pair);
 2. [`decide`]: DTA or TRL's dense path for the whole forest (`dta_min_compression`), agreed by every rank that must
    take the same path (the strategy's `all_ranks`);
 3. one `DTAEngine.forward_backward` over the forest with each sequence's term of its own micro-batch's objective, or
@@ -24,6 +25,9 @@ the two-pass path, the router loss's coefficient) and writes the [`WindowResult`
 - `dta/peak_memory_mb`: peak allocated memory of the forest on CUDA; elsewhere the process's peak resident set.
 - `dta/idle_batches` (lockstep strategies: FSDP2's per-layer schedule): row batches this rank ran without work so
   that its layers' collectives pair with the other ranks'.
+- `dta/images`, `dta/image_rows` (vision-language models, a forest with images): the distinct images the vision tower
+  ran on, and the images the forest's rows show (what TRL's dense path runs the tower on). The compression counts
+  image tokens like text tokens.
 """
 
 from __future__ import annotations
@@ -37,10 +41,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..batch import Layout, has_vision_inputs
+from ..batch import Layout
 from ..engine import DTAEngine
 from ..engine.router_loss import LoadBalancing
 from ..tree import PrefixTree
+from ..vision import batch_images
 from .step_forest import StepForest
 
 if TYPE_CHECKING:
@@ -89,6 +94,8 @@ class WindowContext:
             enters the backward with this factor (already times `scale`); None without it.
         autocast (`Callable[[], AbstractContextManager]`): the autocast of the model computation (accelerate's).
         device (`torch.device`): the accelerator's device (peak memory statistics).
+        image_keys (`dict`, *optional*): a vision-language model whose images DTA runs: `vision.key_images`'s keyword
+            arguments (`VisionSpec.keys`); None: micro-batches with images run TRL's dense path.
     """
 
     model: torch.nn.Module
@@ -102,6 +109,7 @@ class WindowContext:
     router_coef: float | None
     autocast: Callable[[], AbstractContextManager]
     device: torch.device
+    image_keys: dict | None = None
 
 
 @dataclass
@@ -171,13 +179,23 @@ def decide(tree: PrefixTree | None, min_compression: float, strategy) -> bool:
 
 
 def window_forest(context: WindowContext, lockstep: bool) -> StepForest | None:
-    """The forest of the context's micro-batches DTA handles; None when there is none (or, under a `lockstep` strategy,
-    when one micro-batch needs the dense path: then all do, so that the ranks' model calls pair)."""
-    layouts = [None if has_vision_inputs(b) else Layout.from_batch(b) for b in context.batches]
-    kept = [k for k, layout in enumerate(layouts) if layout is not None]
-    if not kept or (lockstep and len(kept) < len(layouts)):
+    """The forest of the context's micro-batches DTA handles (`vision.batch_images` reads their images); None when there
+    is none (or, under a `lockstep` strategy, when one micro-batch needs the dense path: then all do, so that the
+    ranks' model calls pair)."""
+    kept, layouts, images = [], [], []
+    for k, batch in enumerate(context.batches):
+        layout = Layout.from_batch(batch)
+        rows = batch_images(layout.seqs, layout.lengths, batch, context.image_keys) if layout is not None else None
+        if rows is None:
+            continue
+        kept.append(k)
+        layouts.append(layout)
+        images.append(rows)
+    if not kept or (lockstep and len(kept) < len(context.batches)):
         return None
-    return StepForest([context.steps[k] for k in kept], [context.batches[k] for k in kept], [layouts[k] for k in kept])
+    with_images = any(row is not None for rows in images for row in rows)
+    return StepForest([context.steps[k] for k in kept], [context.batches[k] for k in kept], layouts,
+                      images if with_images else None, context.image_keys if with_images else None)
 
 
 def router_request(forest: StepForest, coef: float | None) -> LoadBalancing | None:
@@ -217,7 +235,7 @@ def run_window(engine: DTAEngine, context: WindowContext, strategy) -> WindowRes
     out_device = context.batches[0]["completion_ids"].device
     terms = [context.sequence_loss(batch) for batch in forest.batches]
     router_loss = router_request(forest, context.router_coef)
-    run = dict(temperature=context.temperature, n_scored=forest.n_scored)
+    run = dict(temperature=context.temperature, n_scored=forest.n_scored, images=forest.table)
     # Autocast covers the model computation only, as in TRL's `_get_per_token_logps_and_entropies`.
     if all(term is not None for term in terms):
         with context.autocast(), strategy.engine_call(context.model, True) as lockstep:
@@ -235,7 +253,7 @@ def run_window(engine: DTAEngine, context: WindowContext, strategy) -> WindowRes
     logps, entropies = forest.split(out.logps, out_device), forest.split(out.entropies, out_device)
     seconds = time.perf_counter() - start  # the engine's work; the per-micro-batch trees below are metrics only
     for k, step in enumerate(forest.steps):
-        compression = PrefixTree.from_sequences(forest.layouts[k].seqs).compression_ratio
+        compression = PrefixTree.from_sequences(forest.sequences(k)).compression_ratio
         aux_k = None if aux is None else aux[k].to(out_device, torch.float32)
         micro_steps[step] = MicroStep(forest.batches[k], logps[k], entropies[k], compression, aux_k)
     tree = forest.tree
@@ -245,6 +263,8 @@ def run_window(engine: DTAEngine, context: WindowContext, strategy) -> WindowRes
         metrics[f"dta/{key}"] = float(sum(stats[key] for stats in passes))
     if strategy.lockstep:
         metrics["dta/idle_batches"] = float(sum(stats["idle_batches"] for stats in passes))
+    if (table := forest.table) is not None:
+        metrics["dta/images"], metrics["dta/image_rows"] = float(passes[-1].get("images", 0)), float(table.image_rows)
     metrics["dta/micro_batches_per_forest"] = float(len(forest.steps))
     metrics["dta/peak_memory_mb"] = peak_memory_mb(context.device)
     return WindowResult(micro_steps, forest, seconds, metrics)
