@@ -247,24 +247,25 @@ def schedule_children(children: list[int], shape: TreeShape, budgets: Budgets, p
 
 def row_layout(items: list[int], shape: TreeShape, cost: RowCost, *, room: int, path: int,
                shared: bool) -> list[tuple[tuple[int, ...], ...]]:
-    """The forwards of subtree rows: one subtree per row ([`padded_rows`]) or, when `shared`, the cheapest layout of
-    shared rows ([`shared_rows`]) if it costs less and pads no more tokens (see the module docstring). Every item
-    fits `room` on its own.
+    """The forwards of subtree rows, the cheapest by `cost` of: one subtree per row, batched and padded
+    ([`padded_rows`]); one subtree per forward (no padding, a call each); and, when `shared`, the layouts of shared
+    rows ([`shared_rows`]) that pad no more tokens than the first (see the module docstring). Every item fits `room`
+    on its own.
 
     Returns:
         `list[tuple[tuple[int, ...], ...]]`: the batches, each a tuple of rows, each the roots it holds.
     """
     if not items:
         return []
-    best = padded_rows(items, shape, room)
-    if shared and len(items) > 1:
-        best_cost = layout_cost(best, shape, cost, path)
-        limit = layout_tokens(best, shape)
-        for layout in shared_rows(items, shape, room):
-            c = layout_cost(layout, shape, cost, path)
-            if layout_tokens(layout, shape) <= limit and c < best_cost:
-                best, best_cost = layout, c
-    return best
+    padded = padded_rows(items, shape, room)
+    candidates = [padded]
+    if len(items) > 1:
+        candidates.append([((c,),) for c in sorted(items, key=shape.subtree_tokens.__getitem__)])
+        if shared:
+            limit = layout_tokens(padded, shape)
+            candidates += [layout for layout in shared_rows(items, shape, room)
+                           if layout_tokens(layout, shape) <= limit]
+    return min(candidates, key=lambda layout: layout_cost(layout, shape, cost, path))
 
 
 def padded_rows(items: list[int], shape: TreeShape, room: int) -> list[tuple[tuple[int, ...], ...]]:
