@@ -108,9 +108,10 @@ def _previous_schedule(tree: PrefixTree, b: Budgets) -> tuple[int, int, float]:
 
 
 TAU2 = workloads.tau2_airline(group=4)
-FORESTS = {w.name: w for w in [*workloads.suite("quick"), TAU2, workloads.per_turn(8, 30), workloads.per_turn(16, 40),
-                               workloads.tau2_airline(tasks=1, group=2, max_turns=3, prefix_tokens=1024,
-                                                      vocab_size=4096)]}
+FORESTS = {f"{w.name}-{len(w.seqs)}": w for w in [
+    *workloads.suite("quick"), TAU2, workloads.tau2_airline(tasks=1, group=2, max_turns=3, prefix_tokens=1024,
+                                                            vocab_size=4096),
+    workloads.per_turn(8, 30), workloads.per_turn(16, 40)]}
 
 
 @pytest.mark.parametrize("cost", list(COSTS))
@@ -120,7 +121,7 @@ def test_forwards_of_the_tau2_and_per_turn_trees(cost):
     forwards, padded, _ = counts(tree, b)
     assert forwards <= 5 and padded == tree.n_tree_tokens
     assert _previous_schedule(tree, b)[0] == 8  # before: a push per segment above the leaves
-    for name, limit in (("per-turn-8x30", 12), ("per-turn-16x40", 40)):
+    for name, limit in (("per-turn-8x30-240", 12), ("per-turn-16x40-640", 40)):
         tree = FORESTS[name].tree()
         forwards, padded, _ = counts(tree, b)
         assert forwards <= limit and padded == tree.n_tree_tokens, (name, forwards, padded)

@@ -33,7 +33,7 @@ from .schedule import (
     batch_width,
     block_bounds,
     pack_decisions,
-    padded_rows,
+    row_layout,
     row_room,
     run_pieces,
     schedule_children,
@@ -108,11 +108,15 @@ Op = Rows | Push | Pop | Idle
 
 
 def lockstep_batches(tree: PrefixTree, budgets: Budgets, *, train: bool) -> list[tuple[tuple[int, ...], ...]]:
-    """The row batches of the lockstep walk: the roots' subtrees, one per row, sorted by size and batched within the
-    budgets (a subtree larger than the budget is a batch of its own); the count the processes agree on is their
+    """The row batches of the lockstep walk: the roots' subtrees as rows, laid out as any children's rows
+    (`schedule.row_layout`: padded, one per forward, or side by side in shared rows, whichever the cost model
+    prices lowest; a subtree larger than the budget is a batch of its own); the count the processes agree on is their
     largest."""
     shape = TreeShape.of(tree)
-    return padded_rows(tree.roots, shape, row_room(budgets, train, 0))
+    room = row_room(budgets, train, 0)
+    fits = [r for r in tree.roots if shape.subtree_tokens[r] <= room]
+    alone = [((r,),) for r in tree.roots if shape.subtree_tokens[r] > room]
+    return row_layout(fits, shape, budgets.cost, room=room, path=0, shared=budgets.tree_rows) + alone
 
 
 def walk_ops(tree: PrefixTree, budgets: Budgets, *, train: bool, hybrid: bool = False,
