@@ -67,12 +67,12 @@ def check_policy(model, *, is_vlm: bool, aux_loss_enabled: bool, build_engine: C
     refuse(refusal_subject(lm), blockers, refusal_tail() if untested else "", alternative=TRAINER_ALTERNATIVE)
 
 
-def check_schedule(engine, lockstep: bool) -> None:
-    """Refuse FSDP2's per-layer schedule (`lockstep`) for a hybrid model's engine, at construction rather than at the
-    first engine call (`DTAEngine` refuses a lockstep call on recurrent layers)."""
-    if lockstep and engine.layout.hybrid:
+def check_schedule(engine, strategy) -> None:
+    """Refuse a per-layer schedule (`strategy.lockstep`: FSDP2's, ZeRO-3's) for a hybrid model's engine, at
+    construction rather than at the first engine call (`DTAEngine` refuses a lockstep call on recurrent layers)."""
+    if strategy.lockstep and engine.layout.hybrid:
         lm = engine.model.get_base_model() if is_peft_model(engine.model) else engine.model
-        refuse(f"{refusal_subject(lm)} under FSDP2's per-layer schedule", [Blocker(
-            "`dta_fsdp_schedule='layer'` runs packed subtree rows in lockstep across the ranks, which the recurrent "
+        refuse(f"{refusal_subject(lm)} under {strategy.layer_schedule}", [Blocker(
+            "the per-layer schedule runs packed subtree rows in lockstep across the ranks, which the recurrent "
             "layers of this hybrid model cannot run exactly (a recurrence cannot follow a tree mask)",
-            settings={"dta_fsdp_schedule": "window"}, where=TRAINER_CONFIG)], alternative=TRAINER_ALTERNATIVE)
+            settings=strategy.window_settings, where=TRAINER_CONFIG)], alternative=TRAINER_ALTERNATIVE)
