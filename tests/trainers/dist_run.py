@@ -192,8 +192,8 @@ def main() -> None:
                         help="make_args's: fp64, fp32 or trl (bf16=True)")
     parser.add_argument("--learning_rate", type=float, default=LEARNING_RATE)
     parser.add_argument("--max_grad_norm", type=float, default=None, help="TrainingArguments' (unset: its default)")
-    parser.add_argument("--zero3_persistence_threshold", type=int, default=None,
-                        help="DeepSpeed's `stage3_param_persistence_threshold` (unset: DeepSpeed's default)")
+    parser.add_argument("--zero_config", default="",
+                        help="JSON merged into DeepSpeed's `zero_optimization` (e.g. a persistence threshold)")
     parser.add_argument("--per_step", type=int, default=0, help="1: save the trainable parameters after every step")
     parser.add_argument("--optim", default="sgd", help="TrainingArguments' `optim` (the tests compare SGD updates)")
     parser.add_argument("--ds3_gather_for_generation", type=int, default=1,
@@ -312,9 +312,11 @@ def train_one(args, dta: int, extra: dict, out, last: bool = True, construct_onl
     )
     if construct_only:
         return
-    if args.zero3_persistence_threshold is not None:  # read when DeepSpeed wraps the model, at `train()`
-        zero = trainer.accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"]
-        zero["stage3_param_persistence_threshold"] = args.zero3_persistence_threshold
+    if args.zero_config:  # read when DeepSpeed wraps the model, at `train()`
+        import json
+
+        trainer.accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"].update(
+            json.loads(args.zero_config))
     counter = CollectiveCounter()
     counter.count_training(trainer)
     engine_calls = EngineCalls()
@@ -323,6 +325,7 @@ def train_one(args, dta: int, extra: dict, out, last: bool = True, construct_onl
     assert state.num_processes == args.processes, f"expected {args.processes} processes, got {state.num_processes}"
     initial = initial_values(trainer.model)
     rss_before_train = current_rss_mb()
+    step_memory = StepMemory(trainer)
     zero3 = Zero3Probe(trainer) if dta and trainer._dta_parallel.name == "deepspeed" and \
         trainer._dta_parallel.stage == 3 else None
     per_step = StepParams(trainer) if args.per_step else None
@@ -364,7 +367,8 @@ def train_one(args, dta: int, extra: dict, out, last: bool = True, construct_onl
     from accelerate.utils import gather_object
 
     engine_calls_per_rank = gather_object([engine_calls.calls])  # collective: every rank's list
-    memory = gather_object([{"before_train_mb": rss_before_train, "peak_mb": peak_rss_mb()}])  # per rank
+    memory = gather_object([{"before_train_mb": rss_before_train, "peak_mb": peak_rss_mb(),
+                             **step_memory.result()}])  # per rank
     # Collective under FSDP, and for DeepSpeed's float32 master weights of a bf16 module.
     params = {n: full(p, trainer.is_deepspeed_enabled) for n, p in model.named_parameters() if p.requires_grad}
     if state.is_main_process:
@@ -401,6 +405,33 @@ def peak_rss_mb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class StepMemory:
+    """The resident set's peak over the optimizer steps after the first (the engine's set-up and first step excluded):
+    Linux's high-water mark, reset at the end of step 1 (`/proc/self/clear_refs`), and the resident set then."""
+
+    def __init__(self, trainer):
+        from transformers import TrainerCallback
+
+        self.after_first_step_mb = None
+        outer = self
+
+        class Reset(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == 1:
+                    outer.after_first_step_mb = current_rss_mb()
+                    with open("/proc/self/clear_refs", "w") as f:
+                        f.write("5")
+
+        trainer.add_callback(Reset())
+
+    def result(self) -> dict:
+        if self.after_first_step_mb is None:
+            return {}
+        with open("/proc/self/status") as f:
+            hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+        return {"after_first_step_mb": self.after_first_step_mb, "steps_peak_mb": hwm / 1024}
 
 
 class StepParams:

@@ -22,7 +22,7 @@ from .test_sharded import NO_CLIPPING, launch
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 ZERO3 = [f"--config_file={ROOT / 'recipes' / 'configs' / 'zero3_cpu.yaml'}"]
-PERSISTENCE = {"zero3_persistence_threshold": 0}
+PERSISTENCE = {"zero_config": '{"stage3_param_persistence_threshold": 0}'}
 # setup -> this script's arguments (`dist_run.py`); each trains as TRL's trainer and as DTA's variants
 SETUPS = {
     "grpo-full": "beta=0.04",

@@ -117,14 +117,14 @@ class _Whole:
     def __init__(self, module, offload, train: bool):
         self.offload = offload
         self.params = list(module.parameters()) if train else []
-        if offload is not None:
+        self.context = _deepspeed().zero.GatheredParameters(_partitioned(module.parameters()))
+        self.context.__enter__()
+        if offload is not None:  # as TRL's `remove_hooks` for generation
             for p in module.parameters():
                 p.ds_active_sub_modules.clear()
             for hook in offload.forward_hooks + offload.backward_hooks:
                 hook.remove()
             offload.forward_hooks, offload.backward_hooks = [], []
-        self.context = _deepspeed().zero.GatheredParameters(_partitioned(module.parameters()))
-        self.context.__enter__()
 
     def close(self) -> None:
         _fill_missing_grads(self.params)
