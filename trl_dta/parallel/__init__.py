@@ -18,21 +18,21 @@ the few operations the trainer calls (`trainers/_mixin.py` only dispatches):
   FSDP2's `"layer"` schedule and ZeRO-3, where the model's calls or the engine call's gathering are collectives);
   `flag` itself elsewhere. `lockstep`: the engine calls themselves run in lockstep (the per-layer schedules).
 
-| accelerate `distributed_type`      | strategy       | the engine runs on                    | gradients reduced             |
-|------------------------------------|----------------|---------------------------------------|-------------------------------|
-| `NO`                               | `Local`        | the model                             | -                             |
-| `MULTI_CPU`, `MULTI_GPU`, ...      | `DataParallel` | the unwrapped model (no DDP hooks)    | one all-reduce pass per step  |
-| `FSDP`, `fsdp_version: 2`          | `fsdp2.FSDP2`  | the model, every group gathered       | one reduce-scatter per group  |
-| same, `dta_fsdp_schedule="layer"`  | `fsdp2.FSDP2`  | held groups gathered, layers per call | layers: after every backward  |
-| `DEEPSPEED`, ZeRO-0/1/2            | `zero.Zero`    | the model, replicated parameters      | one DeepSpeed reduction pass  |
-| `DEEPSPEED`, ZeRO-3                | `zero3.Zero3`  | the model gathered per engine call    | one DeepSpeed reduction pass  |
+| accelerate `distributed_type`         | strategy       | the engine runs on                    | gradients reduced            |
+|---------------------------------------|----------------|---------------------------------------|------------------------------|
+| `NO`                                  | `Local`        | the model                             | -                            |
+| `MULTI_CPU`, `MULTI_GPU`, ...         | `DataParallel` | the unwrapped model (no DDP hooks)    | one all-reduce pass per step |
+| `FSDP`, `fsdp_version: 2`             | `fsdp2.FSDP2`  | the model, every group gathered       | one reduce-scatter per group |
+| same, `dta_fsdp_schedule="layer"`     | `fsdp2.FSDP2`  | held groups gathered, layers per call | layers: after every backward |
+| `DEEPSPEED`, ZeRO-0/1/2               | `zero.Zero`    | the model, replicated parameters      | one DeepSpeed reduction pass |
+| `DEEPSPEED`, ZeRO-3                   | `zero3.Zero3`  | the model gathered per engine call    | one DeepSpeed reduction pass |
 | same, over `dta_zero3_gather_budget_mb` | `zero3.Zero3` | layers gathered by DeepSpeed's hooks | layers: during each backward |
 
 Refused at construction (one `DTAUnsupportedError`), each with the supported alternative: FSDP1 (`fsdp_version: 1`),
 FSDP2 with CPU offload or FSDP activation checkpointing, DeepSpeed ZeRO offload, tensor/context/sequence parallelism,
-Megatron-LM, XLA. The table is keyed on what accelerate set up (`accelerator.distributed_type`, its FSDP and DeepSpeed plugins),
-whatever the source: `TrainingArguments.fsdp` / `deepspeed`, an accelerate config file, `ACCELERATE_*` environment
-variables, or plugins passed in code.
+Megatron-LM, XLA. The table is keyed on what accelerate set up (`accelerator.distributed_type`, its FSDP and DeepSpeed
+plugins), whatever the source: `TrainingArguments.fsdp` / `deepspeed`, an accelerate config file, `ACCELERATE_*`
+environment variables, or plugins passed in code.
 """
 
 from __future__ import annotations
