@@ -52,12 +52,18 @@ python recipes/grpo.py \
 # Several GPUs: DTA runs under DDP (`ddp_8gpu.yaml`); add the Hub arguments above
 accelerate launch --config_file recipes/configs/ddp_8gpu.yaml recipes/grpo.py --model_name_or_path ...
 
-# A model too large for DDP: FSDP2 (the model gathered for each optimizer step) or DeepSpeed ZeRO-1/2; with
-# `--dta_fsdp_schedule layer` FSDP2 gathers one decoder layer at a time instead (README, "Distributed engines")
+# A model too large for DDP: FSDP2 (the model gathered for each optimizer step) or DeepSpeed ZeRO-1/2/3; with
+# `--dta_fsdp_schedule layer` FSDP2 gathers one decoder layer at a time instead, and ZeRO-3 does when the model exceeds
+# `--dta_zero3_gather_budget_mb` (README, "Distributed engines")
 accelerate launch --config_file recipes/configs/fsdp2.yaml recipes/grpo.py --model_name_or_path ...
 accelerate launch --config_file recipes/configs/fsdp2.yaml recipes/grpo.py --model_name_or_path ... \
     --dta_fsdp_schedule layer
 accelerate launch --config_file recipes/configs/deepspeed_zero2.yaml recipes/grpo.py --model_name_or_path ...
+accelerate launch --config_file /path/to/trl/accelerate_configs/zero3.yaml recipes/grpo.py --model_name_or_path ...
+
+# DeepSpeed ZeRO-3 on 2 CPU processes (the embedded default; `zero3_cpu.yaml` is TRL's zero3.yaml for 2 CPU processes)
+DS_ACCELERATOR=cpu accelerate launch --config_file recipes/configs/zero3_cpu.yaml recipes/grpo.py \
+    --config recipes/configs/default.yaml --max_steps 10
 ```
 """
 
@@ -77,6 +83,7 @@ from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 from trl_dta import DTAGRPOConfig, DTAGRPOTrainer, tiny, word_problems
 from trl_dta.analysis.run_summary import mean_of as _mean
 from trl_dta.analysis.run_summary import reward_trend
+from trl_dta.parallel.cpu import enable_cpu_engines
 from trl_dta.pretrained import PRETRAINED, resolve_model_name
 from trl_dta.trainers.console import RunArguments, modern_flags, quiet_console, use_console
 
@@ -268,7 +275,8 @@ def step_split(logs: list[dict]) -> list[str]:
     return lines
 
 
-def summarize(log_history: list[dict], steps: int, wall_time: float, window: int, num_processes: int = 1) -> str:
+def summarize(log_history: list[dict], steps: int, wall_time: float, window: int, num_processes: int = 1,
+              strategy: str = "") -> str:
     """The end-of-run summary: steps, wall time, reward trend and DTA savings from the trainer's logged metrics.
 
     Args:
@@ -278,6 +286,8 @@ def summarize(log_history: list[dict], steps: int, wall_time: float, window: int
         window (`int`): number of first and last logged steps whose rewards are compared.
         num_processes (`int`, *optional*, defaults to `1`): processes of the run (the DTA token counts are this
             process's).
+        strategy (`str`, *optional*): the distributed engine DTA ran under, in words (`dta_strategy`); shown with
+            several processes.
     """
     logs = [entry for entry in log_history if "reward" in entry]
     lines = ["=" * 24 + " trl-dta GRPO summary " + "=" * 24]
@@ -285,6 +295,8 @@ def summarize(log_history: list[dict], steps: int, wall_time: float, window: int
         f"steps: {steps}    processes: {num_processes}    wall time: {wall_time:.1f} s "
         f"({wall_time / max(steps, 1):.2f} s/step)"
     )
+    if strategy and num_processes > 1:
+        lines.append(f"distributed: {strategy}")
     if logs:
         k = max(1, min(window, len(logs) // 2))
         first = statistics.fmean(entry["reward"] for entry in logs[:k])
@@ -426,6 +438,7 @@ def main(script_args: GRPOScriptArguments, training_args: DTAGRPOConfig, model_a
             wall_time,
             script_args.summary_window,
             trainer.accelerator.num_processes,
+            trainer.dta_strategy,
         )
     )
     summary = summary_record(trainer.state.log_history, trainer.state.global_step, wall_time,
@@ -464,6 +477,7 @@ def parse_args(argv: list[str] | None = None):
 
 if __name__ == "__main__":
     quiet_console()  # warnings once, from the main process
+    enable_cpu_engines()  # FSDP / DeepSpeed configs on CPU processes (`configs/zero3_cpu.yaml`); a no-op elsewhere
     trainer = main(*parse_args())
     if trainer.accelerator.num_processes > 1:
         # Leave without running destructors. Freeing the DDP model destroys the gloo process group, whose destructor

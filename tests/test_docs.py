@@ -44,7 +44,7 @@ def test_every_refusal_has_a_group_and_the_page_lists_them(hooks):
     generated = page.split("## Every refusal", 1)[1]  # the hand-written table of the common ones comes before it
     assert generated.count("\n| `") == len(shown) > 250
     # A refusal of each kind the issue names, with its fix: a config value, a model family, a distributed setting.
-    for text in ("`fp16=True` is not supported with DTA", "DeepSpeed ZeRO-3 is not supported with DTA",
+    for text in ("`fp16=True` is not supported with DTA", "DeepSpeed ZeRO offload (",
                  "FSDP version ⟨version⟩ is not supported", "must be a list of positive integers",
                  # the one model refusal's blockers, each with its fix (`trl_dta/refusal.py`)
                  "Fix: set `fp16=False` in the trainer's config",

@@ -97,8 +97,8 @@ def test_summary_reads_the_logged_metrics(recipe):
          "dta/forward_tokens": 630.0}
         for r in (0.1, 0.2, 0.3, 0.5, 0.6, 0.7)
     ] + [{"train_runtime": 1.0}]
-    text = recipe.summarize(logs, steps=6, wall_time=12.0, window=2, num_processes=2)
-    assert "steps: 6    processes: 2    wall time: 12.0 s (2.00 s/step)" in text
+    text = recipe.summarize(logs, steps=6, wall_time=12.0, window=2, num_processes=2, strategy="DDP")
+    assert "steps: 6    processes: 2    wall time: 12.0 s (2.00 s/step)\ndistributed: DDP" in text
     assert "first 2 logged steps 0.150 -> last 2 logged steps 0.650 (+0.500)" in text
     assert "compression ratio 6.00x" in text and "dense 3600, prefix tree 600, computed 630 (17.5% of dense)" in text
     dense_only = recipe.summarize([{"reward": 0.1}, {"reward": 0.2}], steps=2, wall_time=1.0, window=5)
@@ -207,6 +207,32 @@ def test_two_process_cpu_launch(tmp_path):
     assert 4.0 < summary["ratio"] < 8.0
     assert "groups balanced over 2 processes" in result.stdout
     _assert_readable_console(result, steps=2)
+
+
+@pytest.mark.distributed
+def test_zero3_cpu_launch(tmp_path):
+    """`zero3_cpu.yaml` (TRL's zero3.yaml for 2 CPU processes, `zero3_init_flag`): the recipe trains under DeepSpeed
+    ZeRO-3 in both processes (the strategy the trainer chose from accelerate's state, named in the summary) and saves
+    the 16-bit weights gathered from the partitions."""
+    out = tmp_path / "zero3"
+    result = run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "zero3_cpu.yaml"),
+                  f"--main_process_port={_free_port()}", str(RECIPE), "--config", str(CONFIGS / "default.yaml"),
+                  "--max_steps", "2", "--tiny_num_rows", "64", "--output_dir", str(out)],
+                 timeout=300, env={"DS_ACCELERATOR": "cpu"})
+    summary = _summary(result)
+    assert summary["processes"] == 2 and summary["steps"] == 2 and 4.0 < summary["ratio"] < 8.0
+    assert "distributed: DeepSpeed ZeRO-3, the model gathered per engine call" in result.stdout
+    from safetensors.torch import load_file
+
+    weights = load_file(out / "model.safetensors")
+    assert weights and all(t.numel() > 0 for t in weights.values())  # whole tensors, not ZeRO-3's empty placeholders
+    _assert_readable_console(result, steps=2)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @pytest.mark.vllm

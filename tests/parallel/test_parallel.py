@@ -35,3 +35,25 @@ def test_zero_offload_read_from_the_deepspeed_config():
     assert _offloaded({"zero_optimization": {"offload_optimizer": {"device": "cpu"},
                                              "offload_param": {"device": "nvme"}}}) == ["offload_optimizer",
                                                                                          "offload_param"]
+
+
+def test_zero3_budget_reads_the_gathered_footprint():
+    """ZeRO-3's schedule choice (`dta_zero3_gather_budget_mb`): the model's parameters and trainable gradients gathered
+    whole, `P b_p + P_t b_g`, at the dtype DeepSpeed casts the module to."""
+    import torch
+
+    from trl_dta.parallel.zero3 import gathered_megabytes
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 256))
+    model[1].requires_grad_(False)
+    trainable, frozen = 256 * 1024 + 1024, 1024 * 256 + 256
+    assert gathered_megabytes(model, bits16=False) == (2 * trainable + frozen) * 4 / 2**20
+    assert gathered_megabytes(model, bits16=True) == (2 * trainable + frozen) * 2 / 2**20
+
+
+@pytest.mark.parametrize("value", [-1.0, float("nan"), "64"])
+def test_zero3_budget_is_checked(value):
+    from trl_dta import DTAGRPOConfig
+
+    with pytest.raises((TypeError, ValueError), match="dta_zero3_gather_budget_mb"):
+        DTAGRPOConfig(output_dir="out", dta_zero3_gather_budget_mb=value, use_cpu=True, report_to="none")

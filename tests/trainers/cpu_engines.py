@@ -1,67 +1,12 @@
-"""Real FSDP2 and DeepSpeed on a CPU machine, for the launched test scripts (`dist_run.py`, the benchmark).
-
-accelerate 1.15 upgrades the distributed type to FSDP only for accelerator devices (`AcceleratorState.__init__`,
-around `accelerate/state.py:986-1013`: MULTI_CPU is not in the list), so on CPU an FSDP config silently becomes DDP;
-and it takes DeepSpeed only when `cpu=False`, which on a machine without GPU leaves no backend at all (one process).
-[`enable_cpu_engines`] applies the same upgrades for MULTI_CPU (a gloo group, `use_cpu=True`) when FSDP or DeepSpeed
-was asked for (`ACCELERATE_USE_FSDP` / `ACCELERATE_USE_DEEPSPEED`, or a plugin passed in code):
-`torch.distributed.fsdp.fully_shard` then really shards the model over gloo (DTensor parameters, with bf16 the
-`MixedPrecisionPolicy` accelerate sets for a GPU), and DeepSpeed (with `DS_ACCELERATOR=cpu`) really wraps it in its
-engine. The scripts assert that they did ([`assert_fsdp2`],
-`dist_run.assert_deepspeed`), so that a silent fall-back to DDP can never pass.
-
-Under DeepSpeed it also turns off DeepSpeed's CPU shared-memory communication op (`deepspeed_shm_comm`), which
-`deepspeed.comm` otherwise compiles with a C++ toolchain at its first initialisation (about a minute on 2 cores, again
-whenever another environment built it into the shared `~/.cache/torch_extensions`): its one use is
-`inference_all_reduce` of DeepSpeed's inference engine, never called in training (ZeRO reduces through
-`torch.distributed`), and a GPU run has no such op.
+"""Real FSDP2 and DeepSpeed on a CPU machine, for the launched test scripts (`dist_run.py`, `refuse_run.py`, the
+benchmarks): accelerate's upgrade to them on CPU processes (`trl_dta.parallel.cpu.enable_cpu_engines`, re-exported
+here), assertions that they really ran ([`assert_fsdp2`], `dist_run.assert_deepspeed`, [`Zero3Probe`]), so that a silent
+fall-back to DDP can never pass, and counters of their collectives.
 """
 
 from __future__ import annotations
 
-import os
-
-
-def enable_cpu_engines() -> None:
-    """Patch `AcceleratorState.__init__` (idempotent) to apply accelerate's FSDP and DeepSpeed upgrades on MULTI_CPU
-    too."""
-    from accelerate.state import AcceleratorState
-    from accelerate.utils import DistributedType
-
-    if getattr(AcceleratorState.__init__, "_dta_cpu_engines", False):
-        return
-    original = AcceleratorState.__init__
-
-    def __init__(self, *args, fsdp_plugin=None, **kwargs):
-        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-        # Every `AcceleratorState()` copies PartialState's type (MULTI_CPU) over the shared state again: re-apply.
-        if self.distributed_type != DistributedType.MULTI_CPU:
-            return
-        # A state already set up keeps its plugins (accelerate's `if not self.initialized`).
-        if (fsdp_plugin is not None and getattr(self, "fsdp_plugin", None) is None
-                and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"):
-            self.fsdp_plugin = fsdp_plugin
-        if getattr(self, "fsdp_plugin", None) is not None:
-            if self.distributed_type != DistributedType.FSDP and self._mixed_precision != "no":
-                # As accelerate does for a GPU (state.py ~1015): bf16 gives FSDP2 a MixedPrecisionPolicy with bf16
-                # param, reduce and output dtypes (besides the autocast around the model's forward).
-                self.fsdp_plugin.set_mixed_precision(self._mixed_precision)
-            self.distributed_type = DistributedType.FSDP
-        plugin = kwargs.get("deepspeed_plugin")
-        if (plugin is not None and getattr(self, "deepspeed_plugins", None) is None
-                and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"):
-            plugin.set_mixed_precision(self._mixed_precision)  # as accelerate does for a GPU (state.py ~975)
-            plugin.select(_from_accelerator_state=True)
-            self.deepspeed_plugins = plugin
-        if getattr(self, "deepspeed_plugins", None) is not None:
-            self.distributed_type = DistributedType.DEEPSPEED
-
-    __init__._dta_cpu_engines = True
-    AcceleratorState.__init__ = __init__
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        import deepspeed.ops
-
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # `deepspeed.comm.torch.build_shm_op`
+from trl_dta.parallel.cpu import enable_cpu_engines  # noqa: F401 (the scripts import it from here)
 
 
 def assert_fsdp2(trainer) -> None:
@@ -123,3 +68,83 @@ def active_in_optimizer_steps(trainer, holder) -> None:
                 holder.active = active
 
     trainer.__class__ = InOptimizerSteps
+
+
+class Zero3Probe:
+    """What ZeRO-3 really did in a DTA run: DeepSpeed's stage and partitioning (every trainable parameter partitioned
+    over the ranks, none kept gathered between uses, all released after training) and, inside every engine call of
+    the optimizer steps, how many decoder layers had gathered parameters at once (sampled at each `nn.Linear` of the
+    layers) and how many all-gathers and reduce-scatters ran (`torch.distributed`'s collectives, which DeepSpeed's
+    `all_gather_into_tensor` / `reduce_scatter_tensor` reach)."""
+
+    def __init__(self, trainer):
+        import torch
+        import torch.distributed.distributed_c10d as c10d
+
+        self.trainer = trainer
+        self.calls: list[dict] = []  # per engine call: train, layers gathered at most, collectives
+        self.current = None
+        lm = trainer.accelerator.unwrap_model(trainer.model)
+        lm = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+        self.layers = [m for c in lm.get_decoder().children() if isinstance(c, torch.nn.ModuleList) for m in c]
+        probe = self
+
+        def sample(module, args, output):  # registered before DeepSpeed's hooks: runs before its release
+            if probe.current is not None:
+                probe.current["layers_gathered"] = max(probe.current["layers_gathered"], probe.gathered_layers())
+
+        self.handles = [m.register_forward_hook(sample) for layer in self.layers for m in layer.modules()
+                        if isinstance(m, torch.nn.Linear)]
+        for key, name in (("all_gather", "all_gather_single"), ("reduce_scatter", "reduce_scatter_single")):
+            original = getattr(c10d, name)
+
+            def counted(*args, _original=original, _key=key, **kwargs):
+                if probe.current is not None:
+                    probe.current[_key] += 1
+                return _original(*args, **kwargs)
+
+            setattr(c10d, name, counted)
+        strategy = trainer._dta_parallel
+        engine_call = strategy.engine_call
+
+        def watched(model, train):
+            import contextlib
+
+            @contextlib.contextmanager
+            def scope():
+                outer, probe.current = probe.current, {"train": train, "layers_gathered": 0, "all_gather": 0,
+                                                       "reduce_scatter": 0}
+                try:
+                    with engine_call(model, train) as lockstep:
+                        yield lockstep
+                finally:
+                    if outer is None:  # a call inside another (a DTA scoring call in its `scoring` scope) is its own
+                        probe.calls.append(probe.current)
+                    probe.current = outer
+
+            return scope()
+
+        strategy.engine_call = watched
+
+    def gathered_layers(self) -> int:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        return sum(any(p.ds_status == ZeroParamStatus.AVAILABLE for p in layer.parameters()) for layer in self.layers)
+
+    def result(self) -> dict:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        for handle in self.handles:
+            handle.remove()
+        engine = self.trainer.model_wrapped
+        params = list(self.trainer.accelerator.unwrap_model(self.trainer.model).parameters())
+        return {
+            "stage": int(engine.zero_optimization_stage()),
+            "schedule": self.trainer._dta_parallel.schedule,
+            "params": len(params),
+            "partitioned": sum(hasattr(p, "ds_id") and p.ds_tensor.numel() < p.ds_numel for p in params),
+            "persistent": sum(bool(getattr(p, "ds_persist", False)) for p in params),
+            "gathered_after": sum(getattr(p, "ds_status", None) != ZeroParamStatus.NOT_AVAILABLE for p in params),
+            "layers": len(self.layers),
+            "calls": self.calls,
+        }

@@ -34,6 +34,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/: `bounds`
 from conftest import LEARNING_RATE, PAD, PRECISIONS, build_tokenizer, make_args  # noqa: E402
 from cpu_engines import (  # noqa: E402
     CollectiveCounter,
+    Zero3Probe,
     active_in_optimizer_steps,
     assert_fsdp2,
     enable_cpu_engines,
@@ -54,6 +55,12 @@ VARIANTS = {
     # The fixed batch's forests compress 3.31x on rank 0 and 3.08x on rank 1: alone, rank 0 would run DTA and rank 1
     # TRL's dense path; the per-layer schedule has both agree (both dense), or their layers' collectives would not pair.
     "dta_layer_split": {"dta_fsdp_schedule": "layer", "dta_min_compression": SPLIT_COMPRESSION},
+    # ZeRO-3 over a budget of 0 MiB: decoder layers gathered by DeepSpeed's hooks, the ranks in lockstep (`_small`: in
+    # several row batches, unequal across ranks)
+    "dta_zero3_layer": {"dta_zero3_gather_budget_mb": 0},
+    "dta_zero3_layer_small": {"dta_zero3_gather_budget_mb": 0, "dta_max_batch_tokens": 48},
+    # every window and scoring call below the compression threshold: TRL's dense path inside DTA's optimizer windows
+    "dta_dense": {"dta_min_compression": 1e9},
 }
 
 
@@ -178,12 +185,20 @@ def main() -> None:
     parser.add_argument("--ga", type=int, default=2, help="gradient_accumulation_steps")
     parser.add_argument("--model_dir", required=True)
     parser.add_argument("--variants", default="", help=f"comma-separated, of {list(VARIANTS)} (overrides --dta); "
-                        "`name@fp32` / `name@trl`: that variant in that precision")
+                        "`name@fp32` / `name@trl`: that variant in that precision; `name:trainer=rloo:peft=1`: with "
+                        "these arguments of this script instead of the command line's")
     parser.add_argument("--expect", default="", help="fsdp2 or deepspeed: assert that this engine really ran")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                         help="make_args's: fp64, fp32 or trl (bf16=True)")
     parser.add_argument("--learning_rate", type=float, default=LEARNING_RATE)
     parser.add_argument("--max_grad_norm", type=float, default=None, help="TrainingArguments' (unset: its default)")
+    parser.add_argument("--zero_config", default="",
+                        help="JSON merged into DeepSpeed's `zero_optimization` (e.g. a persistence threshold)")
+    parser.add_argument("--per_step", type=int, default=0, help="1: save the trainable parameters after every step")
+    parser.add_argument("--optim", default="sgd", help="TrainingArguments' `optim` (the tests compare SGD updates)")
+    parser.add_argument("--ds3_gather_for_generation", type=int, default=1,
+                        help="TRL's `ds3_gather_for_generation` (0: ZeRO-3 generation gathers module by module)")
+    parser.add_argument("--save", type=int, default=0, help="1: `trainer.save_model` into `ckpt-<out stem>` at the end")
     parser.add_argument("--refused", default="", help="comma-separated variants whose trainer must refuse the setting "
                         "at construction: the error's type and message are saved instead of a run")
     args = parser.parse_args()
@@ -194,18 +209,29 @@ def main() -> None:
     variants, precision = args.variants.split(","), None
     for variant in variants:
         out = Path(args.out).with_name(f"{Path(args.out).stem}-{variant}.pt")
-        name, _, own = variant.partition("@")  # `trl@fp32`: the variant in another precision than `--precision`
+        name, *overrides = variant.split(":")  # `dta:trainer=rloo:peft=1`: this script's arguments for the variant
+        name, _, own = name.partition("@")  # `trl@fp32`: the variant in another precision than `--precision`
         if precision is not None and (own or args.precision) != precision:
             from accelerate.state import AcceleratorState
 
             AcceleratorState._reset_state()  # accelerate fixes the precision once per state (the gloo group stays)
         precision = own or args.precision
-        run_args = argparse.Namespace(**{**vars(args), "precision": precision})
+        settings = dict(_setting(args, item) for item in overrides)
+        run_args = argparse.Namespace(**{**vars(args), **settings, "precision": precision})
         if variant in args.refused.split(","):
             refused_at_construction(run_args, VARIANTS[name], out)
             continue
         with float64_internals_of(run_args):
             train_one(run_args, int(name != "trl"), VARIANTS[name], out, last=variant == variants[-1])
+
+
+def _setting(args, item: str) -> tuple[str, object]:
+    """A variant's `name=value`, typed as the argument's default (a number where it defaults to None)."""
+    name, value = item.split("=", 1)
+    if not hasattr(args, name):
+        raise ValueError(f"a variant sets `{name}`, which is not an argument of this script")
+    default = getattr(args, name)
+    return name, float(value) if default is None else type(default)(value)
 
 
 def float64_internals_of(args):
@@ -267,6 +293,8 @@ def train_one(args, dta: int, extra: dict, out, last: bool = True, construct_onl
         **({} if args.max_grad_norm is None else {"max_grad_norm": args.max_grad_norm}),
         # fp64 (make_args loads the model in float64): MoE experts in their eager loop (the grouped matmul has none)
         model_init_kwargs={"experts_implementation": "eager"} if args.precision == "fp64" else None,
+        **({} if args.ds3_gather_for_generation else {"ds3_gather_for_generation": False}),
+        optim=args.optim,
         **extra,
     )
     peft_config = None
@@ -284,17 +312,31 @@ def train_one(args, dta: int, extra: dict, out, last: bool = True, construct_onl
     )
     if construct_only:
         return
+    if args.zero_config:  # read when DeepSpeed wraps the model, at `train()`
+        import json
+
+        trainer.accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"].update(
+            json.loads(args.zero_config))
     counter = CollectiveCounter()
     counter.count_training(trainer)
     engine_calls = EngineCalls()
     probe = PrecisionProbe(trainer)
     state = PartialState()  # initialised by the trainer (use_cpu=True: a gloo group on CPU)
     assert state.num_processes == args.processes, f"expected {args.processes} processes, got {state.num_processes}"
-    initial = {n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    initial = initial_values(trainer.model)
+    rss_before_train = current_rss_mb()
+    step_memory = StepMemory(trainer)
+    zero3 = Zero3Probe(trainer) if dta and trainer._dta_parallel.name == "deepspeed" and \
+        trainer._dta_parallel.stage == 3 else None
+    per_step = StepParams(trainer) if args.per_step else None
     try:
         trainer.train()
     finally:
         engine_calls.close()
+    checkpoint = None
+    if args.save:  # collective under ZeRO-3 (the 16-bit weights gathered)
+        checkpoint = str(Path(out).parent / f"ckpt-{Path(out).stem}")
+        trainer.save_model(checkpoint)
     if dta and args.cost_model == "fit":
         model = trainer._dta_cost_model
         assert model.fixed_cost > 0 or model.token_cost != 1.0, f"the cost model was not refitted: {model}"
@@ -325,11 +367,16 @@ def train_one(args, dta: int, extra: dict, out, last: bool = True, construct_onl
     from accelerate.utils import gather_object
 
     engine_calls_per_rank = gather_object([engine_calls.calls])  # collective: every rank's list
+    memory = gather_object([{"before_train_mb": rss_before_train, "peak_mb": peak_rss_mb(),
+                             **step_memory.result()}])  # per rank
     # Collective under FSDP, and for DeepSpeed's float32 master weights of a bf16 module.
     params = {n: full(p, trainer.is_deepspeed_enabled) for n, p in model.named_parameters() if p.requires_grad}
     if state.is_main_process:
         logs = [e for e in trainer.state.log_history if "loss" in e]
         torch.save({"params": params, "logs": logs, "collectives": counts, "steps": args.steps,
+                    "zero3": zero3.result() if zero3 is not None else None, "checkpoint": checkpoint,
+                    "memory": memory,
+                    "step_params": per_step.params if per_step is not None else None,
                     "engine_calls": engine_calls_per_rank, "settings": extra, "precision": ran, "initial": initial,
                     "batch": {"per_device_train_batch_size": per_device, "gradient_accumulation_steps": args.ga,
                               "num_processes": state.num_processes}},
@@ -347,16 +394,86 @@ def train_one(args, dta: int, extra: dict, out, last: bool = True, construct_onl
         os._exit(0)
 
 
+def current_rss_mb() -> float:
+    """This process's resident set now, MiB (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set so far, MiB (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class StepMemory:
+    """The resident set's peak over the optimizer steps after the first (the engine's set-up and first step excluded):
+    Linux's high-water mark, reset at the end of step 1 (`/proc/self/clear_refs`), and the resident set then."""
+
+    def __init__(self, trainer):
+        from transformers import TrainerCallback
+
+        self.after_first_step_mb = None
+        outer = self
+
+        class Reset(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == 1:
+                    outer.after_first_step_mb = current_rss_mb()
+                    with open("/proc/self/clear_refs", "w") as f:
+                        f.write("5")
+
+        trainer.add_callback(Reset())
+
+    def result(self) -> dict:
+        if self.after_first_step_mb is None:
+            return {}
+        with open("/proc/self/status") as f:
+            hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+        return {"after_first_step_mb": self.after_first_step_mb, "steps_peak_mb": hwm / 1024}
+
+
+class StepParams:
+    """The trainable parameters after every optimizer step (`full`: collective under FSDP2 and ZeRO-3)."""
+
+    def __init__(self, trainer):
+        from transformers import TrainerCallback
+
+        self.params: list[dict[str, torch.Tensor]] = []
+        outer = self
+
+        class Record(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                model = trainer.accelerator.unwrap_model(trainer.model)
+                outer.params.append({n: full(p, trainer.is_deepspeed_enabled) for n, p in model.named_parameters()
+                                     if p.requires_grad})
+
+        trainer.add_callback(Record())
+
+
+def initial_values(model) -> dict[str, torch.Tensor]:
+    """The trainable parameters before training, on CPU (ZeRO-3's partitioned ones gathered: collective)."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    partitioned = [p for _, p in trainable if hasattr(p, "ds_id")]
+    if not partitioned:
+        return {n: p.detach().cpu().clone() for n, p in trainable}
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(partitioned):
+        return {n: p.detach().cpu().clone() for n, p in trainable}
+
+
 def full(p: torch.Tensor, deepspeed: bool = False) -> torch.Tensor:
     """A parameter's whole value on CPU (an FSDP2 DTensor gathered from its shards; under DeepSpeed with a bf16
-    module, the float32 master weight the ZeRO optimizer trains, gathered from its partitions)."""
+    module or under ZeRO-3, the float32 master weight the ZeRO optimizer trains, gathered from its partitions)."""
     from torch.distributed.tensor import DTensor
 
-    if deepspeed and p.dtype != torch.float32:
+    if deepspeed and (p.dtype != torch.float32 or hasattr(p, "ds_id")):
         from deepspeed.utils import safe_get_full_fp32_param
 
         master = safe_get_full_fp32_param(p)
-        assert master is not None, "DeepSpeed keeps no float32 master weight of a bf16 parameter"
+        assert master is not None, "DeepSpeed keeps no float32 master weight of this parameter"
         return master.cpu().clone()
     p = p.detach()
     return (p.full_tensor() if isinstance(p, DTensor) else p).cpu().clone()

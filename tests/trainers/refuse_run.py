@@ -3,7 +3,7 @@ record what construction raised (launched on 2 processes by `test_sharded.py` an
 makes accelerate keep FSDP and DeepSpeed on CPU, so that the trainer sees what a GPU run would set up).
 
     accelerate launch --multi_gpu --num_processes 2 tests/trainers/refuse_run.py --out r.json --model_dir M \\
-        --cases args_fsdp1,env_fsdp_offload,code_plugin,args_zero3
+        --cases args_fsdp1,env_fsdp_offload,code_plugin,args_zero3_offload
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/: `bounds`
 from conftest import build_tokenizer, make_args  # noqa: E402
 from cpu_engines import enable_cpu_engines  # noqa: E402
 
-ZERO3 = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
-         "gradient_accumulation_steps": "auto", "gradient_clipping": 0.0}
+ZERO3_OFFLOAD = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},
+                 "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                 "gradient_clipping": 0.0}
 
 
 def case_settings(name: str) -> dict:
@@ -28,8 +29,8 @@ def case_settings(name: str) -> dict:
     if name == "args_fsdp1":  # TrainingArguments.fsdp / fsdp_config
         return dict(fsdp="full_shard", fsdp_config={"version": 1, "cpu_ram_efficient_loading": False,
                                                     "sync_module_states": False})  # both need a GPU
-    if name == "args_zero3":  # TrainingArguments.deepspeed
-        return dict(deepspeed=ZERO3)
+    if name == "args_zero3_offload":  # TrainingArguments.deepspeed
+        return dict(deepspeed=ZERO3_OFFLOAD)
     if name == "env_fsdp_offload":  # ACCELERATE_* environment variables (what `accelerate launch` sets)
         os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", FSDP_OFFLOAD_PARAMS="true")
         return {}

@@ -141,24 +141,27 @@ def test_fsdp2_matches_trl_under_fsdp2(tmp_path, model_dir, trainer, peft, beta,
         assert runs["dta_walk"]["collectives"] == runs["dta"]["collectives"]
 
 
-@pytest.mark.parametrize(("stage", "trainer", "peft", "clip"),
-                         [(2, "grpo", 0, False), (2, "rloo", 1, False), (1, "grpo", 1, False), (0, "rloo", 0, False),
-                          (2, "grpo", 0, True)],
+@pytest.mark.parametrize(("stage", "trainer", "peft", "clip", "variants"),
+                         [(2, "grpo", 0, False, "trl,dta,dta_dense"), (2, "rloo", 1, False, "trl,dta"),
+                          (1, "grpo", 1, False, "trl,dta"), (0, "rloo", 0, False, "trl,dta,dta_dense"),
+                          (2, "grpo", 0, True, "trl,dta")],
                          ids=["zero2-grpo-full", "zero2-rloo-lora", "zero1-grpo-lora", "zero0-rloo-full",
                               "zero2-grpo-full-clipped"])
-def test_zero_matches_trl_under_zero(tmp_path, model_dir, stage, trainer, peft, clip):
+def test_zero_matches_trl_under_zero(tmp_path, model_dir, stage, trainer, peft, clip, variants):
     """DeepSpeed reduces no float64 gradients: float32 under ZeRO, judged against TRL's float64 run on the same fixed
     global batch in one process (`compare_as_precise`). `clip`: DeepSpeed clips to TRL's default `max_grad_norm`
-    (1.0), and every step's gradient norm is above it, so every update was rescaled."""
+    (1.0), and every step's gradient norm is above it, so every update was rescaled. `dta_dense`: every window on
+    TRL's dense path inside DTA's window (DeepSpeed's backward of each micro-step's loss, one reduction at its end)."""
     clipping = {} if clip else NO_CLIPPING
-    runs = launch(tmp_path, model_dir, zero(stage), "trl,dta", "deepspeed", trainer=trainer, peft=peft, steps=3,
+    runs = launch(tmp_path, model_dir, zero(stage), variants, "deepspeed", trainer=trainer, peft=peft, steps=3,
                   **clipping)
     exact = run(tmp_path / "exact.pt", model_dir, 1, trainer=trainer, dta=0, peft=peft, steps=3, precision="fp64",
                 **clipping)
     if clip:  # the gradient norm (before clipping) above max_grad_norm at every step: every update was clipped
         assert all(log["grad_norm"] > 1.0 for log in exact["logs"] + runs["trl"]["logs"]), exact["logs"]
-    compare_as_precise(runs["trl"], runs["dta"], exact, initial_values(model_dir, runs, peft))
-    assert all(log["dta/dense_fallback"] == 0.0 for log in runs["dta"]["logs"])
+    for variant in variants.split(",")[1:]:
+        compare_as_precise(runs["trl"], runs[variant], exact, initial_values(model_dir, runs, peft))
+        assert all(log["dta/dense_fallback"] == float(variant == "dta_dense") for log in runs[variant]["logs"])
 
 
 @pytest.mark.parametrize(("engine", "trainer", "peft", "variants"), [
@@ -182,17 +185,19 @@ REFUSE_SCRIPT = SCRIPT.with_name("refuse_run.py")
 # case -> (accelerate's distributed type the trainer saw, what the error names: the setting and the alternative)
 REFUSED = {
     "args_fsdp1": ("FSDP", ["FSDP version 1", "fsdp_version: 2"]),
-    "env_fsdp_offload": ("FSDP", ["CPU offload", "DeepSpeed ZeRO-1/2"]),
+    "env_fsdp_offload": ("FSDP", ["CPU offload", "DeepSpeed ZeRO without offload"]),
     "code_plugin": ("FSDP", ["activation checkpointing", "dta_max_graph_tokens"]),
-    "args_zero3": ("DEEPSPEED", ["ZeRO-3", "ZeRO-2", "FSDP2"]),
-    "launch": ("DEEPSPEED", ["ZeRO-3", "ZeRO-2", "FSDP2"]),
+    "args_zero3_offload": ("DEEPSPEED", ["ZeRO offload (offload_param)", "offload devices to 'none'"]),
+    "launch": ("DEEPSPEED", ["ZeRO offload (offload_optimizer)", "offload devices to 'none'"]),
 }
+# ZeRO-3 from an accelerate config file, its optimizer states offloaded (ZeRO-3 itself runs: `test_zero3.py`)
 ZERO3_CONFIG = """compute_environment: LOCAL_MACHINE
 distributed_type: DEEPSPEED
 deepspeed_config:
   zero_stage: 3
   gradient_clipping: 0.0
   zero3_init_flag: false
+  offload_optimizer_device: cpu
 mixed_precision: 'no'
 num_machines: 1
 num_processes: 2
@@ -213,10 +218,11 @@ def refuse(tmp_path, model_dir: str, launch_args: list[str], cases: list[str]) -
 
 
 def test_unsupported_settings_refused_at_construction_from_every_source(tmp_path, model_dir):
-    """FSDP1 from `TrainingArguments.fsdp`, FSDP2 offload from `ACCELERATE_*` variables, FSDP activation checkpointing
-    from a plugin passed in code, ZeRO-3 from `TrainingArguments.deepspeed` and from an accelerate config file: each
-    refused by the trainer's constructor, from the state accelerate set up, with the error naming the alternative."""
-    cases = ["args_fsdp1", "env_fsdp_offload", "code_plugin", "args_zero3"]
+    """FSDP1 from `TrainingArguments.fsdp` (naming FSDP2), FSDP2 offload from `ACCELERATE_*` variables, FSDP activation
+    checkpointing from a plugin passed in code, ZeRO-3 offload from `TrainingArguments.deepspeed` and from an accelerate
+    config file: each refused by the trainer's constructor, from the state accelerate set up, with the error naming the
+    alternative."""
+    cases = ["args_fsdp1", "env_fsdp_offload", "code_plugin", "args_zero3_offload"]
     results = refuse(tmp_path, model_dir, ["--multi_gpu", "--num_processes=2", "--num_machines=1",
                                            "--mixed_precision=no", "--dynamo_backend=no"], cases)
     config = tmp_path / "zero3.yaml"

@@ -29,6 +29,7 @@ import transformers
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 from trl_dta import DTAEngine, tiny_vlm
+from trl_dta.parallel.fsdp2 import FSDP2
 from trl_dta.refusal import DTAUnsupportedError
 from trl_dta.trainers import DTAGRPOConfig, DTAGRPOTrainer, DTARLOOConfig, DTARLOOTrainer
 from trl_dta.trainers.support import check_policy, check_schedule
@@ -80,8 +81,8 @@ def test_construction_refusals():
     qwen = make_vlm("qwen2_vl", torch.float32)
     check_policy(qwen, is_vlm=True, aux_loss_enabled=False, build_engine=lambda: engine.append(DTAEngine(qwen)))
     assert engine[0].vision is not None and engine[0].vision.model_type == "qwen2_vl"
-    with pytest.raises(DTAUnsupportedError, match="dta_fsdp_schedule='window'"):
-        check_schedule(engine[0], lockstep=True)
+    with pytest.raises(DTAUnsupportedError, match="(?s)FSDP2's per-layer schedule.*dta_fsdp_schedule='window'"):
+        check_schedule(engine[0], FSDP2("layer"))
     gemma = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
         text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=8),

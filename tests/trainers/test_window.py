@@ -83,7 +83,7 @@ def _context(model, batches, *, one_pass=True, min_compression=1.0, router_coef=
 class _Lockstep(Local):
     """FSDP2's per-layer schedule on one process: the ranks agree on `extra` more row batches than this one runs."""
 
-    lockstep = True
+    lockstep = agreed = True
 
     def __init__(self, extra: int = 0, agree: bool = True):
         self.extra, self.agree = extra, agree

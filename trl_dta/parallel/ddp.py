@@ -12,7 +12,11 @@ class Local:
     """One process: nothing to gather or reduce."""
 
     name = "local"
-    lockstep = False  # whether the ranks' engine calls must make the same model calls (`fsdp2`'s "layer")
+    description = "one process"
+    lockstep = False  # whether the ranks' engine calls must make the same model calls (the per-layer schedules)
+    agreed = False  # whether the ranks must take the same path, DTA or dense (the model's calls are collectives)
+    layer_schedule = ""  # the per-layer schedule, as a refusal names it
+    window_settings: dict = {}  # the trainer settings that leave it (a refusal's fix)
 
     @staticmethod
     def all_ranks(flag: bool) -> bool:
@@ -39,6 +43,12 @@ class Local:
     def scoring(self, model):
         yield
 
+    @contextlib.contextmanager
+    def gathered(self, model):
+        """A context in which `model`'s parameters are whole (ZeRO-3 partitions them; construction-time checks run the
+        model in it)."""
+        yield
+
     @staticmethod
     def backward_scale(accelerator) -> float:
         return 1.0 / accelerator.gradient_accumulation_steps
@@ -50,6 +60,7 @@ class DataParallel(Local):
     averaged once per window, explicitly (`distributed.all_reduce_gradients`: bucketed, flattened all-reduces)."""
 
     name = "ddp"
+    description = "DDP, one all-reduce per optimizer step"
 
     def __init__(self, accelerator):
         self.accelerator = accelerator

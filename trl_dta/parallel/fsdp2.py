@@ -179,13 +179,17 @@ class FSDP2(Local):
     """
 
     name = "fsdp2"
+    layer_schedule = "FSDP2's per-layer schedule (`dta_fsdp_schedule='layer'`)"
+    window_settings = {"dta_fsdp_schedule": "window"}
 
     def __init__(self, schedule: str = "window", device=None):
         check_fsdp2_api()
         if schedule not in SCHEDULES:
             raise ValueError(f"`dta_fsdp_schedule` must be one of {SCHEDULES}, got {schedule!r}.")
         self.schedule = schedule
-        self.lockstep = schedule == "layer"
+        self.lockstep = self.agreed = schedule == "layer"
+        self.description = ("FSDP2, decoder layers gathered one at a time" if self.lockstep else
+                            "FSDP2, the model gathered per optimizer step")
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self._scopes: dict[int, _Gathered] = {}  # id(root module) -> its open scope
 
@@ -222,7 +226,7 @@ class FSDP2(Local):
         """Whether `flag` holds on every rank (with `"layer"`: an all-reduce, so that every rank takes one path)."""
         import torch.distributed as dist
 
-        return bool(self._reduce(int(bool(flag)), dist.ReduceOp.MIN)) if self.lockstep else flag
+        return bool(self._reduce(int(bool(flag)), dist.ReduceOp.MIN)) if self.agreed else flag
 
     def begin_window(self, model) -> None:
         self._open(model, train=True)

@@ -1,33 +1,29 @@
-"""DeepSpeed ZeRO stage 0, 1 and 2 under the DTA engine (the one module that imports `deepspeed`, lazily).
+"""DeepSpeed ZeRO under the DTA engine: one gradient reduction per optimizer window (the one module that imports
+`deepspeed`, lazily; written against DeepSpeed 0.19.8). ZeRO-3's gathering is `zero3.py`'s, on top of this.
 
-Under ZeRO-1/2 every rank holds the whole model (parameters replicated; optimizer states, and with ZeRO-2 gradients,
-partitioned), so the engine runs on the module as it is. What differs is the gradient reduction: DeepSpeed reduces
-from hooks on every parameter, once per `engine.backward`, and asserts that the loss it is given has a `grad_fn`.
-The engine back-propagates many times per window, directly, and every rank walks its own forest, so reductions
-issued from those backward calls would be repeated per parameter (DeepSpeed refuses a second reduction of a
-parameter in one backward) and would not line up across ranks.
+DeepSpeed reduces gradients from hooks on every parameter, once per `engine.backward`. The engine back-propagates many
+times per window, directly, and every rank walks its own forest: reductions issued from those backward calls would be
+repeated per parameter (DeepSpeed refuses a second reduction of a parameter in one backward) and would not line up
+across ranks. [`Zero`] therefore keeps the whole window's gradient local and lets DeepSpeed reduce it once, at the
+window's last micro-step, with DeepSpeed's own means:
 
-[`Zero`] therefore gives DeepSpeed **one backward per optimizer window**, at its last micro-step, carrying the whole
-window's gradient:
+- ZeRO-1/2/3: the window runs inside DeepSpeed's `engine.coalesce_grad_reduction()` (from `begin_window` to the last
+  micro-step): its gradient hooks reduce nothing, every backward (the engine's, and each micro-step's
+  `accelerator.backward`) accumulates into the parameters' `.grad`, and the block's exit runs DeepSpeed's single
+  reduction pass over them (its bucketed ZeRO-1 all-reduce or ZeRO-2/3 reduce-scatter into its partitions).
+- ZeRO-0: the window runs inside `engine.no_sync()`, left just before the last micro-step's backward, whose epilogue
+  all-reduces the accumulated gradients (DeepSpeed's own `allreduce_gradients`).
 
-- At the window's first micro-step DeepSpeed's gradient hooks are detached and accelerate's
-  `DeepSpeedEngineWrapper.backward` is replaced for the window: every backward of the window (the engine's, and the
-  HF Trainer's backward of each micro-step's loss: DTA's value-only loss, or a dense-path micro-step's real one)
-  accumulates plainly into the parameters' `.grad`, no DeepSpeed involved. (A replaced method rather than an
-  explicit call: the HF Trainer's `training_step` calls `accelerator.backward` itself at every micro-step, dense-path
-  ones included; an explicit call would mean copying that `training_step` into the mixin.)
-- At the last micro-step, the accumulated gradients are taken off the parameters (zeros for a trainable parameter
-  without one, so every rank reduces the same buckets), the hooks re-attached, and `engine.backward` runs on a scalar
-  whose backward hands each parameter its accumulated gradient (`_WindowGradient`): DeepSpeed's own path (its bucketed
-  ZeRO-1 all-reduce or ZeRO-2 reduce-scatter, its fp32 partitions) sees exactly one gradient per parameter; then
-  `engine.step()`.
-
-ZeRO-3 (parameters partitioned and gathered by module hooks that the engine's direct calls bypass) and ZeRO offload
-are refused at construction. The DeepSpeed internals used (the ZeRO optimizer's `_grad_acc_hooks` and
-`create_gradient_handling_hooks`) are those of DeepSpeed 0.19's `stage_1_and_2.py`.
+accelerate's `DeepSpeedEngineWrapper.backward` is replaced for the window (the HF Trainer's `training_step` calls
+`accelerator.backward` itself at every micro-step, dense-path ones included): every micro-step's loss goes through
+DeepSpeed's `engine.backward` (DTA's value-only loss reaches no parameter; a dense-path micro-step's loss adds its
+gradient, scaled as DeepSpeed scales it), and the last one is followed by the reduction and `engine.step()`. ZeRO
+offload is refused at construction.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -52,35 +48,52 @@ def _offloaded(config: dict) -> list[str]:
             if str((zero.get(key) or {}).get("device", "none")).lower() not in ("none", "")]
 
 
+def refuse_offload(config: dict) -> None:
+    """Refuse ZeRO offload (any stage) at construction."""
+    offloaded = _offloaded(config)
+    if offloaded:
+        refuse(DISTRIBUTED, [Blocker(
+            f"DeepSpeed ZeRO offload ({', '.join(offloaded)}) is not supported with DTA: DTA keeps an optimizer "
+            "window's gradients local and has DeepSpeed reduce them once (under ZeRO-3 it also gathers the "
+            "partitions for its walk), untested with host- or NVMe-resident partitions and optimizer states",
+            fix="set the offload devices to 'none'")], alternative=TRAINER_ALTERNATIVE)
+
+
+def check_deepspeed_api() -> None:
+    """Refuse, at construction, a DeepSpeed without the engine methods the window drives."""
+    deepspeed = _deepspeed()
+    missing = [name for name in ("coalesce_grad_reduction", "no_sync", "set_gradient_accumulation_boundary")
+               if not hasattr(deepspeed.DeepSpeedEngine, name)]
+    if missing:
+        refuse(DISTRIBUTED, [Blocker(
+            f"DTA under DeepSpeed drives engine methods missing here ({missing}; written against DeepSpeed 0.19.8, "
+            f"installed {deepspeed.__version__})", fix=f"install DeepSpeed 0.19.8 (`{_EXTRA}`)")],
+            alternative=TRAINER_ALTERNATIVE)
+
+
 class Zero(Local):
-    """One gradient reduction per optimizer window through DeepSpeed's coalesced reduction (module docstring)."""
+    """One DeepSpeed reduction per optimizer window (module docstring).
+
+    Args:
+        accelerator (`accelerate.Accelerator`): the trainer's.
+        stage (`int`): the ZeRO stage.
+    """
 
     name = "deepspeed"
 
     def __init__(self, accelerator, stage: int):
         self.accelerator = accelerator
         self.stage = stage
-        self._window = None  # (accelerate's engine wrapper, whether DeepSpeed had gradient hooks) while one is open
+        self.description = f"DeepSpeed ZeRO-{stage}, one reduction per optimizer step"
+        self._window = None  # (accelerate's engine wrapper, DeepSpeed's local-accumulation block) while one is open
 
     @classmethod
     def from_accelerator(cls, accelerator) -> Zero:
-        """The strategy for accelerate's DeepSpeed plugin; refuses ZeRO-3 and offload at construction."""
+        """The strategy for accelerate's DeepSpeed plugin at stage 0, 1 or 2; refuses offload at construction."""
         plugin = accelerator.state.deepspeed_plugin
-        stage = int(plugin.zero_stage)
-        blockers = []
-        if stage == 3:
-            blockers.append(Blocker(
-                "DeepSpeed ZeRO-3 is not supported with DTA: it partitions the parameters and gathers them in module "
-                "hooks, which the engine's direct calls into the decoder and the LM head bypass",
-                fix="use ZeRO-2 (`zero_stage: 2`) or FSDP2 (`fsdp_version: 2`)"))
-        offloaded = _offloaded(plugin.deepspeed_config)
-        if offloaded:
-            blockers.append(Blocker(
-                f"DeepSpeed ZeRO offload ({', '.join(offloaded)}) is not supported with DTA (untested with the "
-                "window's coalesced reduction)", fix="set the offload devices to 'none'"))
-        refuse(DISTRIBUTED, blockers, alternative=TRAINER_ALTERNATIVE)
-        _deepspeed()
-        return cls(accelerator, stage)
+        refuse_offload(plugin.deepspeed_config)
+        check_deepspeed_api()
+        return cls(accelerator, int(plugin.zero_stage))
 
     @staticmethod
     def backward_scale(accelerator) -> float:
@@ -91,61 +104,50 @@ class Zero(Local):
         if wrapper is None or self._window is not None:
             return
         engine = wrapper.engine
-        optimizer = engine.optimizer
-        hooks = getattr(optimizer, "_grad_acc_hooks", [])  # none under ZeRO-0 (DeepSpeed all-reduces in its epilogue)
-        if hooks and not hasattr(optimizer, "create_gradient_handling_hooks"):
-            refuse(DISTRIBUTED, [Blocker(
-                f"DTA under DeepSpeed drives the ZeRO optimizer's gradient hooks ({type(optimizer).__name__} has none "
-                "of DeepSpeed 0.19's `_grad_acc_hooks`)", fix=f"install DeepSpeed 0.19 (`{_EXTRA}`)")],
-                alternative=TRAINER_ALTERNATIVE)
-        had_hooks = bool(hooks)
-        for hook in hooks:
-            hook.remove()
-        hooks.clear()
-        self._window = (wrapper, had_hooks)
+        local = engine.coalesce_grad_reduction() if self.stage >= 1 else engine.no_sync()
+        local.__enter__()
+        self._window = (wrapper, local)
         strategy = self
 
         def backward(loss, sync_gradients=True, **kwargs):
-            """accelerate's `DeepSpeedEngineWrapper.backward` for the window: local accumulation, then DeepSpeed's one
-            backward and step at the window's end."""
-            loss.backward()
+            """accelerate's `DeepSpeedEngineWrapper.backward` for the window: DeepSpeed's backward, the gradients kept
+            local; at the window's end its one reduction and step."""
             if sync_gradients:
-                strategy._reduce(engine, loss, **kwargs)
+                strategy._fill_missing_grads(engine)  # every rank reduces every trainable parameter
+                if strategy.stage == 0:
+                    strategy._close_window()  # this backward's epilogue all-reduces the window's gradients
+            engine.set_gradient_accumulation_boundary(is_boundary=sync_gradients)  # as accelerate's backward does
+            engine.backward(loss, **kwargs)
+            if sync_gradients:
+                if strategy._window is not None:
+                    strategy._close_window()  # DeepSpeed's reduction pass of the local gradients
+                strategy._reduced()
+                engine.set_gradient_accumulation_boundary(is_boundary=True)
                 engine.step()
 
         wrapper.backward = backward
 
-    def _reduce(self, engine, loss, **kwargs) -> None:
-        """DeepSpeed's backward of the window's accumulated gradients (its hooks back on)."""
-        wrapper, had_hooks = self._window
+    def _close_window(self) -> None:
+        wrapper, local = self._window
         self._window = None
         del wrapper.backward  # back to the class's method
-        params = [p for p in engine.module.parameters() if p.requires_grad]
-        grads = []
-        for p in params:
-            grads.append(torch.zeros_like(p) if p.grad is None else p.grad)
-            p.grad = None
-        if had_hooks:
-            engine.optimizer.create_gradient_handling_hooks()
-        engine.set_gradient_accumulation_boundary(is_boundary=True)
-        engine.backward(_WindowGradient.apply(loss.detach(), grads, *params), **kwargs)
+        local.__exit__(None, None, None)
+
+    @staticmethod
+    def _fill_missing_grads(engine) -> None:
+        """Zeros for a trainable parameter without a gradient (under ZeRO-3 the gathering scopes do it, while the
+        parameters are whole)."""
+        for p in engine.module.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+    def _reduced(self) -> None:
+        """After DeepSpeed's reduction of the window, before its step (`Zero3`: the layers' reduced gradients)."""
 
     def end_window(self, model) -> None:
         if self._window is not None:
-            raise RuntimeError("DeepSpeed's backward did not run at the last micro-step of the optimizer window.")
+            raise RuntimeError("DeepSpeed's reduction did not run at the last micro-step of the optimizer window.")
 
-
-class _WindowGradient(torch.autograd.Function):
-    """`value` (a scalar), whose backward gives each of `params` its gradient in `grads` (times the incoming one)."""
-
-    @staticmethod
-    def forward(ctx, value, grads, *params):
-        ctx.grads = grads
-        return value.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        grads, ctx.grads = ctx.grads, None
-        if bool(grad == 1):  # DeepSpeed's backward of an unscaled loss: hand the accumulated tensors over as they are
-            return (None, None, *grads)
-        return (None, None, *[g * grad.to(g.dtype) for g in grads])
+    @contextlib.contextmanager
+    def micro_step(self, model):
+        yield

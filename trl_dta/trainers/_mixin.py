@@ -43,7 +43,7 @@ from ..balance import CostModel, forest_stats
 from ..batch import Layout, group_ids, num_rows
 from ..engine import DTAEngine
 from ..engine.router_loss import LoadBalancing
-from ..parallel import strategy_for
+from ..parallel import StrategySettings, strategy_for
 from ..tree import PrefixTree
 from ..vision import keyed_rows
 from . import _trl
@@ -95,6 +95,12 @@ class DTATrainerMixin:
             super().__init__(model, reward_funcs, args, *extra, **kwargs)
         self._dta_post_init()
 
+    @property
+    def dta_strategy(self) -> str:
+        """The distributed engine DTA runs under, in words (`trl_dta.parallel`; empty with DTA disabled)."""
+        strategy = getattr(self, "_dta_parallel", None)
+        return strategy.description if strategy is not None else ""
+
     def end(self):
         """transformers' `Trainer.end` (trackers finished, the process group destroyed), the colocated vLLM engine
         shut down first (`vllm_engine.close_colocated_engine`)."""
@@ -122,27 +128,30 @@ class DTATrainerMixin:
         if not self._dta.dta_enabled:
             return
         # refuses an unsupported distributed setting, whatever its source
-        self._dta_parallel = strategy_for(self.accelerator, self._dta.dta_fsdp_schedule)
         model = self.accelerator.unwrap_model(self.model)
+        self._dta_parallel = strategy_for(self.accelerator, StrategySettings(
+            self._dta.dta_fsdp_schedule, self._dta.dta_zero3_gather_budget_mb, model))
         # One refusal naming every blocker of the model and of TRL's use of it; builds the policy's engine.
         check_policy(model, is_vlm=_trl.is_vlm(self), aux_loss_enabled=self.aux_loss_enabled,
                      build_engine=lambda: self._dta_engine(model))
-        check_schedule(self._dta_engine(model), self._dta_parallel.lockstep)
+        check_schedule(self._dta_engine(model), self._dta_parallel)
         spec = self._dta_engine(model).vision  # a vision-language model whose images DTA runs: how they are keyed
         self._dta_image_keys = spec.keys() if spec is not None else None
         self._dta_cost_model = CostModel(hidden_size=model.config.get_text_config().hidden_size)
         if self._dta.dta_group_shuffle:
             regrouping_exact(self._dta_rows(), across_ranks=False)  # warns when it is not
 
-    def _dta_engine(self, model) -> DTAEngine:
-        """The engine of an unwrapped model (policy, PEFT policy or reference), built on first use."""
+    def _dta_engine(self, model, wrapped=None) -> DTAEngine:
+        """The engine of an unwrapped model (policy, PEFT policy or reference), built on first use (`wrapped`: the
+        model as the trainer holds it, when it differs: the construction probe runs it, gathered under ZeRO-3)."""
         engine = self._dta_engines.get(id(model))
         if engine is None or engine.model is not model:
             d = self._dta
-            engine = self._dta_engines[id(model)] = DTAEngine(
-                model, block_size=d.dta_block_size, max_batch_tokens=d.dta_max_batch_tokens,
-                max_graph_tokens=self._dta_max_graph_tokens, max_pack_tokens=d.dta_max_pack_tokens,
-                attn_backend=d.dta_attn_backend)
+            with self._dta_parallel.gathered(model if wrapped is None else wrapped):
+                engine = self._dta_engines[id(model)] = DTAEngine(
+                    model, block_size=d.dta_block_size, max_batch_tokens=d.dta_max_batch_tokens,
+                    max_graph_tokens=self._dta_max_graph_tokens, max_pack_tokens=d.dta_max_pack_tokens,
+                    attn_backend=d.dta_attn_backend)
         return engine
 
     def _dta_rows(self) -> RowSettings:
@@ -250,7 +259,7 @@ class DTATrainerMixin:
                 tree = PrefixTree.from_sequences(seqs)
         if not decide(tree, self._dta.dta_min_compression, self._dta_parallel):
             return None
-        engine = self._dta_engine(self.accelerator.unwrap_model(model))
+        engine = self._dta_engine(self.accelerator.unwrap_model(model), model)
         # TRL's aux loss (evaluation's `_compute_loss`): the mean over its chunks of `batch_size` rows
         rows, size = input_ids.size(0), batch_size or input_ids.size(0)
         chunks = [list(range(a, min(a + size, rows))) for a in range(0, rows, size)]
@@ -377,7 +386,7 @@ class DTATrainerMixin:
     def _dta_run_window(self, model, inputs: dict, num_items_in_batch) -> None:
         """Forward and backward of the window's buffered micro-batches, from this micro-step on, as one forest
         (`window.run_window`); stores a `MicroStep` per micro-step in `HookState.micro_steps` and logs the forest."""
-        engine = self._dta_engine(self.accelerator.unwrap_model(model))
+        engine = self._dta_engine(self.accelerator.unwrap_model(model), model)
         result = run_window(engine, self._dta_window(model, inputs, num_items_in_batch), self._dta_parallel)
         state = self._dta_state
         state.micro_steps.update(result.micro_steps)

@@ -163,6 +163,17 @@ class DTAArguments:
             "calls in lockstep over packed rows). See `trl_dta.parallel.fsdp2` for the collective counts and memory."
         },
     )
+    dta_zero3_gather_budget_mb: float | None = field(
+        default=None,
+        metadata={
+            "help": "Under DeepSpeed ZeRO-3 (ignored otherwise): the memory, in MiB per process, DTA may spend on "
+            "gathered parameters and their gradients. When the model's parameters and trainable gradients fit (`P "
+            "b_p + P_t b_g`), each engine call gathers the whole model once and the step's gradients are reduced in "
+            "one pass; otherwise decoder layers are gathered one at a time by DeepSpeed's hooks (the ranks' engine "
+            "calls in lockstep over packed rows) and their gradients reduce-scattered during each backward. None: no "
+            "budget (the whole model); 0: always layer by layer. See `trl_dta.parallel.zero3`."
+        },
+    )
 
     # Training rows of multi-turn episodes
     dta_sample_layout: str = field(
@@ -248,6 +259,10 @@ class DTAArguments:
                                               allow_none=True, hint="None keeps every graph")
         self.dta_min_compression = check_float("dta_min_compression", self.dta_min_compression, minimum=0.0,
                                                hint="1.0 sends every batch through DTA")
+        if self.dta_zero3_gather_budget_mb is not None:
+            self.dta_zero3_gather_budget_mb = check_float(
+                "dta_zero3_gather_budget_mb", self.dta_zero3_gather_budget_mb, minimum=0.0,
+                hint="MiB per process; None for no budget, 0 to gather layer by layer")
         check_choice("dta_cost_model", self.dta_cost_model, ("default", "fit"))
         check_choice("dta_attn_backend", self.dta_attn_backend, BACKENDS)
         self._validate_tree_types()
@@ -284,7 +299,7 @@ _SECTIONS = (
      ("dta_block_size", "dta_max_batch_tokens", "dta_max_pack_tokens", "dta_max_graph_tokens")),
     ("Parameters that choose the engine's attention kernels", ("dta_attn_backend",)),
     ("Parameters that regroup rows (micro-batches, ranks)", ("dta_group_shuffle", "dta_balance", "dta_cost_model")),
-    ("Parameters of distributed engines", ("dta_fsdp_schedule",)),
+    ("Parameters of distributed engines", ("dta_fsdp_schedule", "dta_zero3_gather_budget_mb")),
     ("Parameters that shape the training rows of multi-turn episodes", ("dta_sample_layout",)),
     ("Parameters that sample completions as trees (tree rollouts)",
      ("dta_tree_branching", "dta_tree_segment_length", "dta_tree_advantage")),

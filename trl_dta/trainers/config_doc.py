@@ -12,7 +12,7 @@ import textwrap
 from dataclasses import fields
 
 _TYPE_NAMES = {"bool": "bool", "int": "int", "float": "float", "str": "str", "int | None": "int` or `None",
-               "list[int] | None": "list[int]` or `None"}
+               "float | None": "float` or `None", "list[int] | None": "list[int]` or `None"}
 
 
 def _type_name(cls: type, f) -> str:

@@ -47,8 +47,10 @@ FIELDS = (
 
 # Warnings that neither trl_dta nor the recipes trigger and that say nothing to do about them, hidden by
 # `quiet_console` by their exact text: TRL 1.16 reads transformers 5.24's deprecated `is_gradient_checkpointing` in
-# `trl.models.utils.unwrap_model_for_generation` (and PEFT in `PeftModel.__init__`), at every generation.
-FOREIGN_WARNINGS = (r"`is_gradient_checkpointing` is deprecated",)
+# `trl.models.utils.unwrap_model_for_generation` (and PEFT in `PeftModel.__init__`), at every generation; DeepSpeed
+# 0.19 gathers and reduce-scatters ZeRO-3's partitions through torch 2.13's deprecated collective names.
+FOREIGN_WARNINGS = (r"`is_gradient_checkpointing` is deprecated",
+                    r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
 
 
 # transformers 5 renamed these `TrainingArguments` fields; the old names still work but warn, and a config file that

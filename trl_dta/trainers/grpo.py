@@ -38,8 +38,8 @@ class DTAGRPOTrainer(DTATrainerMixin, StepPhases, GRPOTrainer):
     MoE models run with TRL's router auxiliary (load-balancing) loss, exactly (`trl_dta/engine/router_loss.py`: one
     extra no-grad forward over the forest). Unsupported, with an error at construction: vision-language inputs, the
     MoE auxiliary loss of families other than `ROUTER_LOSS_FAMILIES`, prompt-learning adapters, active dropout, fp16,
-    FSDP1, ZeRO-3 and the other distributed settings `trl_dta.parallel` refuses (DDP, FSDP2 and DeepSpeed ZeRO-0/1/2
-    run), Liger kernels, LOMO optimizers.
+    FSDP1, ZeRO offload and the other distributed settings `trl_dta.parallel` refuses (DDP, FSDP2 and DeepSpeed
+    ZeRO-0/1/2/3 run), Liger kernels, LOMO optimizers.
 
     Example:
 

@@ -20,9 +20,9 @@ class DTARLOOTrainer(DTATrainerMixin, StepPhases, RLOOTrainer):
     setting (`num_iterations`, `steps_per_generation`, `beta > 0`, PEFT, several processes) runs in one pass over the
     forest; a subclass's own `_compute_loss` runs an exact two-pass path; MoE models run with TRL's router auxiliary
     loss, exactly. Unsupported, with an error at construction: vision-language inputs, the MoE auxiliary loss of
-    families other than `ROUTER_LOSS_FAMILIES`, prompt-learning adapters, active dropout, fp16, FSDP1, ZeRO-3 and the
-    other distributed settings `trl_dta.parallel` refuses (DDP, FSDP2 and DeepSpeed ZeRO-0/1/2 run), Liger kernels,
-    LOMO optimizers.
+    families other than `ROUTER_LOSS_FAMILIES`, prompt-learning adapters, active dropout, fp16, FSDP1, ZeRO offload and
+    the other distributed settings `trl_dta.parallel` refuses (DDP, FSDP2 and DeepSpeed ZeRO-0/1/2/3 run), Liger
+    kernels, LOMO optimizers.
     """
 
     _dta_trl_class = RLOOTrainer

@@ -66,22 +66,22 @@ def check_policy(model, *, is_vlm: bool, aux_loss_enabled: bool, build_engine: C
     refuse(refusal_subject(lm), blockers, refusal_tail() if untested else "", alternative=TRAINER_ALTERNATIVE)
 
 
-def check_schedule(engine, lockstep: bool) -> None:
-    """Refuse FSDP2's per-layer schedule (`lockstep`) for a hybrid model's engine and for a vision-language model's, at
-    construction rather than at the first engine call (`DTAEngine` refuses a lockstep call on recurrent layers, and
-    one with images)."""
-    if not lockstep:
+def check_schedule(engine, strategy) -> None:
+    """Refuse a per-layer schedule (`strategy.lockstep`: FSDP2's, ZeRO-3's) for a hybrid model's engine and for a
+    vision-language model's, at construction rather than at the first engine call (`DTAEngine` refuses a lockstep
+    call on recurrent layers, and one with images)."""
+    if not strategy.lockstep:
         return
     blockers = []
     if engine.layout.hybrid:
         blockers.append(Blocker(
-            "`dta_fsdp_schedule='layer'` runs packed subtree rows in lockstep across the ranks, which the recurrent "
+            "the per-layer schedule runs packed subtree rows in lockstep across the ranks, which the recurrent "
             "layers of this hybrid model cannot run exactly (a recurrence cannot follow a tree mask)",
-            settings={"dta_fsdp_schedule": "window"}, where=TRAINER_CONFIG))
+            settings=strategy.window_settings, where=TRAINER_CONFIG))
     if engine.vision is not None:
         blockers.append(Blocker(
-            "`dta_fsdp_schedule='layer'` pairs the ranks' model calls, and the vision tower runs once per step on each "
+            "the per-layer schedule pairs the ranks' model calls, and the vision tower runs once per step on each "
             "rank's own images, which does not pair a sharded tower's collectives",
-            settings={"dta_fsdp_schedule": "window"}, where=TRAINER_CONFIG))
+            settings=strategy.window_settings, where=TRAINER_CONFIG))
     lm = engine.model.get_base_model() if is_peft_model(engine.model) else engine.model
-    refuse(f"{refusal_subject(lm)} under FSDP2's per-layer schedule", blockers, alternative=TRAINER_ALTERNATIVE)
+    refuse(f"{refusal_subject(lm)} under {strategy.layer_schedule}", blockers, alternative=TRAINER_ALTERNATIVE)

@@ -7,7 +7,8 @@ the two-pass path, the router loss's coefficient) and writes the [`WindowResult`
 
 1. the window's forest (`step_forest.StepForest`) of the micro-batches DTA handles (images keyed by image,
    `vision/`; unusual padding and vision inputs other than a supported family's images are left to TRL's dense path;
-   under a lockstep strategy all or none of them, so that the ranks' model calls pair);
+   under a strategy whose ranks must agree on the path (`agreed`: FSDP2's per-layer schedule, ZeRO-3) all or none of
+   them, so that the ranks' model calls pair);
 2. [`decide`]: DTA or TRL's dense path for the whole forest (`dta_min_compression`), agreed by every rank that must
    take the same path (the strategy's `all_ranks`);
 3. one `DTAEngine.forward_backward` over the forest with each sequence's term of its own micro-batch's objective, or
@@ -23,8 +24,8 @@ the two-pass path, the router loss's coefficient) and writes the [`WindowResult`
   pass included); `dta/padded_tokens`: the same with the rows' padding (what the model computed); `dta/forwards`:
   the engine's model calls (each one forward and, in training, its backward).
 - `dta/peak_memory_mb`: peak allocated memory of the forest on CUDA; elsewhere the process's peak resident set.
-- `dta/idle_batches` (lockstep strategies: FSDP2's per-layer schedule): row batches this rank ran without work so
-  that its layers' collectives pair with the other ranks'.
+- `dta/idle_batches` (lockstep strategies: the per-layer schedules of FSDP2 and ZeRO-3): row batches this rank ran
+  without work so that its layers' collectives pair with the other ranks'.
 - `dta/images`, `dta/image_rows` (vision-language models, a forest with images): the distinct images the vision tower
   ran on, and the images the forest's rows show (what TRL's dense path runs the tower on). The compression counts
   image tokens like text tokens.
@@ -174,14 +175,14 @@ def as_trl_head_output(values: torch.Tensor | None) -> torch.Tensor | None:
 
 def decide(tree: PrefixTree | None, min_compression: float, strategy) -> bool:
     """Whether DTA runs a tree (else TRL's dense path): it exists and compresses at least `min_compression`, on every
-    rank that must take the same path (`strategy.all_ranks`: lockstep strategies agree, the others decide alone)."""
+    rank that must take the same path (`strategy.all_ranks`: `agreed` strategies agree, the others decide alone)."""
     return strategy.all_ranks(tree is not None and tree.compression_ratio >= min_compression)
 
 
-def window_forest(context: WindowContext, lockstep: bool) -> StepForest | None:
+def window_forest(context: WindowContext, agreed: bool) -> StepForest | None:
     """The forest of the context's micro-batches DTA handles (`vision.batch_images` reads their images); None when there
-    is none (or, under a `lockstep` strategy, when one micro-batch needs the dense path: then all do, so that the
-    ranks' model calls pair)."""
+    is none (or, under a strategy whose ranks must agree on the path, `agreed`, when one micro-batch needs the dense
+    path: then all do, so that the ranks' model calls pair)."""
     kept, layouts, images = [], [], []
     for k, batch in enumerate(context.batches):
         layout = Layout.from_batch(batch)
@@ -191,7 +192,7 @@ def window_forest(context: WindowContext, lockstep: bool) -> StepForest | None:
         kept.append(k)
         layouts.append(layout)
         images.append(rows)
-    if not kept or (lockstep and len(kept) < len(context.batches)):
+    if not kept or (agreed and len(kept) < len(context.batches)):
         return None
     with_images = any(row is not None for rows in images for row in rows)
     return StepForest([context.steps[k] for k in kept], [context.batches[k] for k in kept], layouts,
@@ -226,7 +227,7 @@ def run_window(engine: DTAEngine, context: WindowContext, strategy) -> WindowRes
         [`WindowResult`]: every micro-step's outputs (or none: TRL's dense path), the forest and its metrics.
     """
     micro_steps = {step: MicroStep(batch) for step, batch in zip(context.steps, context.batches)}
-    forest = window_forest(context, strategy.lockstep)
+    forest = window_forest(context, strategy.agreed)
     if not decide(forest.tree if forest is not None else None, context.min_compression, strategy):
         return WindowResult(micro_steps)
     if context.device.type == "cuda":
