@@ -181,13 +181,11 @@ class DTAEngine:
     def row_cost(self, lm=None) -> RowCost:
         """The cost model that lays out this engine's rows (`engine/schedule.py`): the model's shape on its device,
         with the threads torch runs on a CPU (the generic [`DEFAULT_COST`] for a config the FLOP count cannot read)."""
-        lm = _causal_lm(self.model) if lm is None else lm
+        device = (_causal_lm(self.model) if lm is None else lm).get_output_embeddings().weight.device
         try:
-            shape = ModelShape.from_config(self._config)
+            return RowCost.from_shape(ModelShape.from_config(self._config), device.type, torch.get_num_threads())
         except (ValueError, TypeError, AttributeError):
             return DEFAULT_COST
-        device = lm.get_output_embeddings().weight.device
-        return RowCost.from_shape(shape, device.type, torch.get_num_threads())
 
     def _device_backend(self, lm) -> str:
         """The concrete backend `attn_backend` means on the model's device ("auto" resolved)."""

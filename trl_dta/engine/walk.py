@@ -17,27 +17,22 @@ Precision (`precision.py`): the whole walk runs under the autocast of the dense 
 MoE router loss (`router_loss.py`): with a `router`, each forward hands its tokens' tree indices to it; in training the
 scalar router term it returns joins the forward's own backward (the segment's `_inject`, or the rows' pending loss).
 
-Lockstep (`lockstep`, for a model sharded layer by layer across processes, `parallel/fsdp2.py`): every process must
-then make the same sequence of model forwards and backwards, whatever its tree, because each layer's forward and
-backward is a collective. The walk replaces its depth-first schedule by packed rows only: the roots' subtrees, each
-one row with its tree mask (`rows.py`), batched by size within the budgets (`ops.lockstep_batches`; a subtree larger
-than the budget is a batch of its own), one forward and, in training, one backward per batch that enters every layer
-through its output (a zero multiple of the last hidden state joins the loss). `lockstep(n)` returns the largest batch
-count of the processes; a process with fewer runs the difference as idle batches (one padding token, no loss). Every
-token is still forwarded and back-propagated once; what is given up is the two-part attention of siblings over a
-stored prefix: a row attends over its whole packed subtree.
+Lockstep (`lockstep`, for a model sharded layer by layer across processes: FSDP2's and ZeRO-3's per-layer schedules):
+every process must make the same sequence of model forwards and backwards, because each layer's forward and backward
+is a collective. The walk then runs the roots' subtrees as rows only (`ops.lockstep_batches`), one forward and, in
+training, one backward per batch that enters every layer through its output (a zero multiple of the last hidden
+state joins the loss), and `lockstep(n)`'s count, the largest of the processes', minus its own as idle batches (one
+padding token, no loss).
 
 Hybrid models (`recurrent/`, a `layout` with recurrent layers): every forward passes a [`StateCarrier`] as the model's
 `cache=`, which hands the recurrent layers the path's states (the top frame's) and records their new ones; a frame
-pushes those as sinks beside its keys/values and `_inject` back-propagates their summed gradients with the segment's
-graph. The engine gives such a walk no packed subtree rows and no lockstep (a recurrence cannot follow a tree mask),
-and no one-token segment with children (`PrefixTree.unshared`); a forward of one token after a non-empty path (a
-one-token leaf, or a leaf's last block) is padded to two tokens on the right, because transformers' layers decode
-one token with in-place state updates, and its states are not kept (a leaf hands them to nobody).
+pushes those as sinks beside its keys/values and `_inject` back-propagates their summed gradients with the run's
+graph. Such a walk has no tree rows, no shared rows and no lockstep (a recurrence cannot follow a tree mask), and no
+one-token segment with children (`PrefixTree.unshared`); a forward of one token after a non-empty path is padded to
+two tokens on the right (transformers' layers decode one token with in-place state updates), its states not kept.
 
-Inputs adapter (`inputs`, vision-language models: `vision/inputs.py`): every forward takes the model's inputs from
-`inputs(ids, nodes)` (`nodes`: the tokens' flat tree-token indices, `-1` for padding), `inputs_embeds` and
-`position_ids` in place of `input_ids` and the depths; the attention's own positions stay the depths.
+Inputs adapter (`inputs`, vision-language models: `vision/inputs.py`): every forward takes `inputs_embeds` and
+`position_ids` from `inputs(ids, nodes)` (`nodes`: flat tree-token indices, `-1` for padding); attention keeps depths.
 """
 
 from __future__ import annotations
@@ -47,6 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._checks import check_loss_value
 from ..kv_stack import Frame, KVStack
 from ..modeling.attention import AttentionContext
 from ..modeling.lm_head import HeadSpec, head_logprobs
@@ -55,9 +51,10 @@ from ..recurrent import LayerLayout, StateCarrier
 from ..refusal import Blocker, refuse
 from ..tree import PrefixTree
 from .ops import Op, Pop, Push, Rows, lockstep_batches, walk_ops
-from .plan import BlockTargets, ScorePlan
+from .plan import ScorePlan
 from .rows import pack_rows
 from .schedule import Budgets, TreeShape
+from .targets import Targets
 
 LossFn = Callable[[int, torch.Tensor, torch.Tensor | None], torch.Tensor]
 Lockstep = Callable[[int], int]  # agree(n): the largest n over the processes (an all-reduce)
@@ -145,8 +142,7 @@ class TreeWalk:
         self.wants_nodes = router is not None or inputs is not None  # forwards pass their tree-token indices on
         self.stack = KVStack(layout.n_layers)
         self.tokens = [tree.tokens(s.index).to(self.device) for s in tree.segments]  # per segment (length,)
-        self.fork_tokens = [torch.stack([self.tokens[c][0] for c in kids]) if kids else None  # (n_forks,)
-                            for kids in plan.fork_children]
+        self.targets = Targets(plan, self.tokens)
         self.shape = TreeShape.of(tree)
         self.live_outputs: dict[int, _Outputs] = {}  # segments of the current path and of the running rows
         self.runs: dict[tuple[int, ...], _RunState] = {}  # the pushed runs
@@ -262,39 +258,6 @@ class TreeWalk:
         return head_logprobs(self.head, hidden[positions], targets, temperature=self.temperature,
                              entropy=self.want_ent, chunk_size=self.budgets.lm_head_chunk_size)
 
-    def _targets(self, s: int, lo: int, block: BlockTargets) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions relative to `lo` `(n,)` and target ids `(n,)` of a block of segment `s`, in output order."""
-        r = block.internal
-        pos = torch.arange(r.start - lo, r.stop - lo, device=self.device)
-        tgt = self.tokens[s][r.start + 1 : r.stop + 1]
-        if block.forks:
-            last = self.tree.segments[s].length - 1 - lo
-            pos = torch.cat([pos, torch.full((len(block.forks),), last, device=self.device)])
-            tgt = torch.cat([tgt, self.fork_tokens[s]])
-        return pos, tgt
-
-    def _run_targets(self, run: tuple[int, ...], lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-        """Positions relative to `lo` `(n,)`, target ids `(n,)` and the slice `[a, b)` of the run's outputs (its
-        segments' outputs one after the other) that block `[lo, hi)` of the run scores."""
-        positions, targets, bounds = [], [], []
-        start = out = 0
-        for s in run:
-            n = self.shape.lengths[s]
-            seg_lo, seg_hi = max(lo - start, 0), min(hi - start, n)
-            if seg_lo < seg_hi:
-                block = self.plan.block(s, seg_lo, seg_hi)
-                pos, tgt = self._targets(s, seg_lo, block)
-                positions.append(pos + (start + seg_lo - lo))
-                targets.append(tgt)
-                bounds.append((out + block.outputs[0], out + block.outputs[1]))
-            start += n
-            out += self.plan.n_outputs(s)
-        a, b = bounds[0][0], bounds[-1][1]
-        return self._cat_long(positions), self._cat_long(targets), a, b
-
-    def _cat_long(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-
     # ------------------------------------------------------------------ push / visit / pop
 
     def _grad_sink(self, t: torch.Tensor | None) -> torch.Tensor | None:
@@ -317,10 +280,10 @@ class TreeWalk:
         """Forward a run (consecutive segments, each the only child of the one before) after the path (keep mode,
         `blocks` None; or no-grad `blocks` over the run in recompute mode) and visit the sequences that end in it."""
         length = sum(self.shape.lengths[s] for s in run)
-        ids = torch.cat([self.tokens[s] for s in run]) if len(run) > 1 else self.tokens[run[0]]  # (length,)
+        ids = self.targets.ids(run)  # (length,)
         if blocks is None:
             hidden, kv, states, aux = self._forward(ids[None], length, self._nodes(run, 0, length))
-            pos, tgt, _, _ = self._run_targets(run, 0, length)
+            pos, tgt, _, _ = self.targets.run(run, 0, length)
             lp, ent = self._score(hidden[0], pos, tgt)
             self._push_frame(kv, length, states)
             graph = (kv, states, lp, ent, aux) if self.train else None
@@ -332,7 +295,7 @@ class TreeWalk:
             with torch.no_grad():
                 for lo, hi in blocks:
                     hidden, kv, states, _ = self._forward(ids[None, lo:hi], hi - lo, self._nodes(run, lo, hi))
-                    pos, tgt, _, _ = self._run_targets(run, lo, hi)
+                    pos, tgt, _, _ = self.targets.run(run, lo, hi)
                     lp, ent = self._score(hidden[0], pos, tgt)
                     lps.append(lp)
                     ents.append(ent)
@@ -366,11 +329,11 @@ class TreeWalk:
                          (ent, None if ent is None else state.out_ent.grad), _unit(aux))
             self.live -= sum(self.shape.lengths[s] for s in run)
             return
-        ids = torch.cat([self.tokens[s] for s in run]) if len(run) > 1 else self.tokens[run[0]]  # (length,)
+        ids = self.targets.ids(run)  # (length,)
         for lo, hi in reversed(blocks):
             frame = self.stack.pop()
             hidden, kv, states, aux = self._forward(ids[None, lo:hi], hi - lo, self._nodes(run, lo, hi))
-            pos, tgt, a, b = self._run_targets(run, lo, hi)
+            pos, tgt, a, b = self.targets.run(run, lo, hi)
             lp, ent = self._score(hidden[0], pos, tgt)
             self.stats["recomputed_tokens"] += hi - lo
             g_lp = None if state.out_lp.grad is None else state.out_lp.grad[a:b]
@@ -421,7 +384,7 @@ class TreeWalk:
         rows_idx, cols, targets, offsets = [], [], [], []
         n = 0
         for g, (b, col) in packed.columns.items():
-            pos, tgt = self._targets(g, 0, self.plan.block(g, 0, segs[g].length))
+            pos, tgt = self.targets.segment(g, 0, self.plan.block(g, 0, segs[g].length))
             rows_idx.append(torch.full((len(tgt),), b, device=self.device))
             cols.append(pos + col)
             targets.append(tgt)
@@ -459,24 +422,13 @@ class TreeWalk:
             self.ents[i] = ent.detach()
         if self.train:
             with self.precision.outside():
-                loss = self.loss_fn(i, lp, ent)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-                raise TypeError(f"`loss_fn` must return a scalar tensor, got {shape} for sequence {i}.")
-            if loss.device != self.device:
-                raise ValueError(
-                    f"`loss_fn` returned a tensor on {loss.device} for sequence {i}; the log-probs it receives are "
-                    f"on {self.device}: compute the loss on that device."
-                )
-            loss = loss.reshape(())
+                loss = check_loss_value(self.loss_fn(i, lp, ent), i, self.device)
             self.total = loss.detach() if self.total is None else self.total + loss.detach()
             self.pending = loss if self.pending is None else self.pending + loss
 
     def _cat(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        if not parts:
-            dtype = self.lm.get_output_embeddings().weight.dtype
-            dtype = acc_dtype(dtype)
-            return torch.zeros(0, device=self.device, dtype=dtype)
+        if not parts:  # nothing scored: an empty vector in the dtype log-probs come in
+            return torch.zeros(0, device=self.device, dtype=acc_dtype(self.lm.get_output_embeddings().weight.dtype))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _backward_pending(self) -> None:

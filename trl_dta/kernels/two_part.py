@@ -46,6 +46,7 @@ from .._checks import check_choice, check_float, check_int
 from ..precision import acc_dtype
 from .masks import PartMask
 from .sdpa import concat_attention
+from .spans import Span, check_spans, plan_spans, spans_backward, spans_forward
 from .torch_parts import MATH, TORCH, PartKernel
 
 
@@ -83,17 +84,6 @@ _KERNELS = {
 
 
 @dataclass(frozen=True)
-class _Span:
-    """One subtree of a shared row: its own part runs alone (`spans` of [`two_part_attention`])."""
-
-    row: int
-    lo: int
-    hi: int
-    mask: PartMask
-    kernel: PartKernel
-
-
-@dataclass(frozen=True)
 class _Plan:
     """Everything but the tensors that one two-part call needs, forward and backward."""
 
@@ -103,48 +93,7 @@ class _Plan:
     softcap: float | None
     path_kernel: PartKernel | None
     own_kernel: PartKernel
-    own_spans: tuple[_Span, ...] | None = None  # shared rows: the own part span by span, in row-major order
-
-
-def _own_forward(query, key, value, plan: _Plan):
-    """The own part: one kernel call over the batch, or (shared rows) one per span, concatenated back."""
-    if plan.own_spans is None:
-        return plan.own_kernel.forward(query, key, value, plan.own_mask, plan.scale, plan.softcap)
-    outs, lses, aux = [], [], []
-    for sp in plan.own_spans:
-        part = (slice(sp.row, sp.row + 1), slice(None), slice(sp.lo, sp.hi))
-        out, lse, a = sp.kernel.forward(query[part], key[part], value[part], sp.mask, plan.scale, plan.softcap)
-        outs.append(out)
-        lses.append(lse.to(acc_dtype(query.dtype)))
-        aux.append(a)
-    return _join(outs, plan), _join(lses, plan), aux
-
-
-def _own_backward(grad_out, query, key, value, out, lse, aux, plan: _Plan):
-    """Gradients of the own part's query, key and value (see [`_own_forward`])."""
-    if plan.own_spans is None:
-        return plan.own_kernel.backward(grad_out, query, key, value, out, lse, aux, plan.own_mask, plan.scale,
-                                        plan.softcap)
-    grads = [], [], []
-    for sp, a in zip(plan.own_spans, aux):
-        part = (slice(sp.row, sp.row + 1), slice(None), slice(sp.lo, sp.hi))
-        for acc, g in zip(grads, sp.kernel.backward(grad_out[part], query[part], key[part], value[part], out[part],
-                                                    lse[part], a, sp.mask, plan.scale, plan.softcap)):
-            acc.append(g)
-    return tuple(_join(g, plan) for g in grads)
-
-
-def _join(parts: list[torch.Tensor], plan: _Plan) -> torch.Tensor:
-    """Per-span tensors `(1, heads, hi - lo, ...)` back into `(batch, heads, length, ...)` (spans tile every row in
-    order)."""
-    rows, row, last = [], [], plan.own_spans[0].row
-    for sp, t in zip(plan.own_spans, parts):
-        if sp.row != last:
-            rows.append(torch.cat(row, dim=2) if len(row) > 1 else row[0])
-            row, last = [], sp.row
-        row.append(t)
-    rows.append(torch.cat(row, dim=2) if len(row) > 1 else row[0])
-    return torch.cat(rows) if len(rows) > 1 else rows[0]
+    own_spans: tuple[Span, ...] | None = None  # shared rows: the own part span by span, in row-major order
 
 
 def _fold(x: torch.Tensor) -> torch.Tensor:
@@ -169,7 +118,10 @@ def _sink_lse(lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
 def two_part_forward(query, path_key, path_value, key, value, sinks, plan: _Plan):
     """Merged output `(batch, n_heads, length, head_dim)`, log-sum-exp `(batch, n_heads, length)` (the sinks
     included) and the parts' aux."""
-    out_r, lse_r, aux_r = _own_forward(query, key, value, plan)
+    if plan.own_spans is None:
+        out_r, lse_r, aux_r = plan.own_kernel.forward(query, key, value, plan.own_mask, plan.scale, plan.softcap)
+    else:
+        out_r, lse_r, aux_r = spans_forward(query, key, value, plan.own_spans, plan.scale, plan.softcap)
     if plan.path_mask is None and sinks is None:
         return out_r, lse_r, (None, aux_r)
     batch = query.shape[0]
@@ -192,7 +144,12 @@ def two_part_backward(grad_out, query, path_key, path_value, key, value, sinks, 
     """Gradients of query, path key/value (None without a path), own key/value and the sinks (None without), from
     the merged `(out, lse)`."""
     aux_p, aux_r = aux
-    grad_query, grad_key, grad_value = _own_backward(grad_out, query, key, value, out, lse, aux_r, plan)
+    if plan.own_spans is None:
+        grad_query, grad_key, grad_value = plan.own_kernel.backward(
+            grad_out, query, key, value, out, lse, aux_r, plan.own_mask, plan.scale, plan.softcap)
+    else:
+        grad_query, grad_key, grad_value = spans_backward(grad_out, query, key, value, out, lse, aux_r,
+                                                          plan.own_spans, plan.scale, plan.softcap)
     grad_sinks = None
     if sinks is not None:  # the sink is a key of value 0: dS_sink = P_sink * (0 - rowsum(dO * O))
         acc = lse.dtype
@@ -319,24 +276,8 @@ def _make_plan(query, path_key, key, *, scale, positions, key_end, window, softc
     own_kernel = _pick(chain, query, key, own_mask, softcap)
     own_spans = None
     if spans is not None:
-        own_spans = []
-        for b, row in enumerate(spans):
-            for lo, hi, tree in row:
-                mask = _span_mask(own_mask, b, lo, hi, tree)
-                part = (slice(b, b + 1), slice(None), slice(lo, hi))
-                own_spans.append(_Span(b, lo, hi, mask, _pick(chain, query[part], key[part], mask, softcap)))
-        own_spans = tuple(own_spans)
+        own_spans = plan_spans(spans, own_mask, query, key, lambda q, k, mask: _pick(chain, q, k, mask, softcap))
     return _Plan(path_mask, own_mask, scale, softcap, path_kernel, own_kernel, own_spans)
-
-
-def _span_mask(own: PartMask, b: int, lo: int, hi: int, tree: bool) -> PartMask:
-    """The own mask of columns `lo .. hi - 1` of row `b` on their own: causal, with the subtree's `key_end` (made
-    relative) for a branching subtree, and the window's positions."""
-    key_end = own.key_end[b : b + 1, lo:hi] - lo if tree and own.key_end is not None else None
-    if own.window is None:
-        return PartMask(causal=True, key_end=key_end)
-    return PartMask(causal=True, key_end=key_end, q_pos=own.q_pos[b : b + 1, lo:hi],
-                    k_pos=own.k_pos[b : b + 1, lo:hi], window=own.window)
 
 
 def _two_part(query, path_key, path_value, key, value, *, sinks, chain, **options):
@@ -495,22 +436,6 @@ def two_part_attention(
     if path_key is not None and path_key.shape[2] == 0:
         path_key = path_value = None
     if spans is not None and name in _CHAINS:
-        _check_spans(spans, query.shape[0], query.shape[2], key_end)
+        check_spans(spans, query.shape[0], query.shape[2], key_end)
         options["spans"] = spans
     return _BACKENDS[name](query, path_key, path_value, key, value, **options)
-
-
-def _check_spans(spans, batch: int, length: int, key_end) -> None:
-    """Refuse spans that do not tile each row in order (`two_part_attention`'s `spans`)."""
-    if key_end is None:
-        raise ValueError("`spans` describe packed rows: pass them with `key_end` and `positions`.")
-    if len(spans) != batch:
-        raise ValueError(f"`spans` must hold one tuple of (lo, hi, tree) ranges per row ({batch}), got {len(spans)}.")
-    for b, row in enumerate(spans):
-        edge = 0
-        for lo, hi, _ in row:
-            if lo != edge or hi <= lo:
-                raise ValueError(f"`spans[{b}]` must tile the row's columns 0 .. {length} in order, got {row}.")
-            edge = hi
-        if edge != length:
-            raise ValueError(f"`spans[{b}]` must tile the row's columns 0 .. {length} in order, got {row}.")
