@@ -137,6 +137,20 @@ PROVIDERS.update({
 })
 
 
+def accounting(provider, stats: dict, n_rows: int) -> dict:
+    """What a method's step ran: `micro_batches`, `forwards` (model calls, each a forward and its backward),
+    `forward_tokens` (dense: its padded rows; DTA: its real tokens, recomputed ones included) and `padded_tokens`
+    (what the model computed, padding included), and the attention it ran."""
+    if isinstance(provider, DenseProvider):
+        batches = -(-n_rows // provider.micro_batch_size)
+        return dict(micro_batches=batches, forwards=batches, forward_tokens=stats.get("padded_tokens"),
+                    padded_tokens=stats.get("padded_tokens"), attention=stats.get("attention"))
+    batches = stats.get("micro_batches", 1)  # DTA: one walk of the whole tree
+    real = stats.get("forward_tokens", 0) + stats.get("recomputed_tokens", 0)
+    return dict(micro_batches=batches, forwards=stats.get("forwards", batches), forward_tokens=real,
+                padded_tokens=stats.get("padded_tokens", real), attention=stats.get("attention"))
+
+
 class MethodRun:
     """One method on one workload: model, optimizer and provider built once, then timed steps on demand.
 
@@ -194,17 +208,11 @@ class MethodRun:
         return dt
 
     def _accounting(self) -> dict:
-        """The oracle check, micro-batches, forwarded tokens and attention of the row."""
-        stats, tol = self.stats, ORACLE_TOL[self.dtype]
-        out = {"oracle_err": self.oracle_err, "attention": stats.get("attention"),
-               "oracle_ok": None if self.oracle_err is None else int(self.oracle_err <= tol)}
-        if isinstance(self.provider, DenseProvider):
-            out["micro_batches"] = -(-self.tree.n_sequences // self.provider.micro_batch_size)
-            out["forward_tokens"] = stats.get("padded_tokens")
-        else:
-            out["micro_batches"] = stats.get("micro_batches", 1)  # DTA: one walk of the whole tree
-            out["forward_tokens"] = stats.get("forward_tokens", 0) + stats.get("recomputed_tokens", 0)
-        return out
+        """The oracle check, micro-batches, forwards, forwarded tokens and attention of the row."""
+        tol = ORACLE_TOL[self.dtype]
+        return {"oracle_err": self.oracle_err,
+                "oracle_ok": None if self.oracle_err is None else int(self.oracle_err <= tol),
+                **accounting(self.provider, self.stats, self.tree.n_sequences)}
 
     def result(self) -> dict:
         tree, times = self.tree, sorted(self.times)
@@ -498,8 +506,9 @@ def main(argv=None) -> None:
 
 # The columns of the side-by-side tables (issue 33; `benchmarks/bench_side_by_side.py`).
 SIDE_BY_SIDE_COLUMNS = ["workload", "method", "step_s", "median_step_s", "cpu_step_s", "steps", "peak_mem_mb",
-                        "forward_tokens", "micro_batches", "oracle_ok", "speedup_vs_trl_tree", "speedup_vs_sparse_flex",
-                        "speedup_vs_dense_ckpt", "speedup_vs_dense", "fraction_of_ideal", "ideal_ratio", "attention"]
+                        "forward_tokens", "padded_tokens", "forwards", "micro_batches", "oracle_ok",
+                        "speedup_vs_trl_tree", "speedup_vs_sparse_flex", "speedup_vs_dense_ckpt", "speedup_vs_dense",
+                        "fraction_of_ideal", "ideal_ratio", "attention"]
 
 
 if __name__ == "__main__":

@@ -65,7 +65,9 @@ CSV_COLUMNS = [
     "oracle_ok",
     "oracle_err",
     "micro_batches",
+    "forwards",
     "forward_tokens",
+    "padded_tokens",
     "attention",
     "error",
 ]

@@ -77,7 +77,8 @@ STEPS = 2  # timed steps per workload, the same for every method
 COLUMNS = ["step", "workload", "method", "model_shape", "precision", "device", "n_sequences", "n_tokens",
            "n_tree_tokens", "compression_ratio", "ideal_ratio", "warmup_s", "step_s", "median_step_s", "steps",
            "tokens_per_s", "vs_dense_ckpt", "vs_trl_tree", "vs_sparse", "vs_dense", "vs_trl", "peak_mem_mb",
-           "mem_vs_dense_ckpt", "mem_vs_trl", "mem_vs_first", "loss", "micro_batches", "forward_tokens", "attention",
+           "mem_vs_dense_ckpt", "mem_vs_trl", "mem_vs_first", "loss", "micro_batches", "forwards", "forward_tokens",
+           "padded_tokens", "attention",
            "oracle_ok", "oracle_err", "checked", "description", "error"]
 # The dry run's model: the real model's name with a `dry-` prefix, tiny dimensions.
 DRY_DIMS = dict(hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -220,14 +221,10 @@ class GridRun:
         return out
 
     def _accounting(self, stats: dict, n_rows: int) -> dict:
-        """Micro-batches, forwarded tokens (dense: padded; DTA: with its recomputed ones) and the attention run."""
-        from .baselines.dense import DenseProvider
+        """Micro-batches, model calls, forwarded and padded tokens, the attention run (`bench_engine.accounting`)."""
+        from .bench_engine import accounting
 
-        if isinstance(self.provider, DenseProvider):
-            return dict(micro_batches=-(-n_rows // self.provider.micro_batch_size),
-                        forward_tokens=stats.get("padded_tokens"))
-        return dict(micro_batches=stats.get("micro_batches", 1), attention=stats.get("attention"),
-                    forward_tokens=stats.get("forward_tokens", 0) + stats.get("recomputed_tokens", 0))
+        return accounting(self.provider, stats, n_rows)
 
     def _oracle(self, seqs) -> list[torch.Tensor]:
         """The per-sequence oracle's log-probs (each row alone, no padding) in this run's precision."""

@@ -68,13 +68,15 @@ def summary(out: Path, expect: list[tuple[str, str]], dry_run: bool) -> None:
         fill_ratios(row, throughput_rows)
     parts += ["## Throughput (tokens/s of rollout tokens; ratios per workload)", "",
               "Seconds per optimizer step (best and median of `steps`), ratios of tokens/s (`vs_sparse`: over "
-              "`sparse-flex`), the ideal FLOP ratio over dense, `checked`: the correctness step's verdict on a DTA "
-              "backend or the oracle check of `trl-tree` / `sparse-flex` (a failed one also fills `error`).", "",
+              "`sparse-flex`), the ideal FLOP ratio over dense, `forwards`: model calls per step (each a forward and "
+              "its backward: with `step_s`, whether the walk is launch-bound), `padded_tokens`: tokens the model "
+              "computed, padding included, `checked`: the correctness step's verdict on a DTA backend or the oracle "
+              "check of `trl-tree` / `sparse-flex` (a failed one also fills `error`).", "",
               _table(throughput_rows, ["model_shape", "workload", "method", "n_tokens", "compression_ratio",
                                        "ideal_ratio", "step_s", "median_step_s", "steps", "tokens_per_s",
                                        "vs_dense_ckpt", "vs_trl_tree", "vs_sparse", "vs_dense", "peak_mem_mb",
-                                       "mem_vs_dense_ckpt", "forward_tokens", "micro_batches", "loss", "checked",
-                                       "error"]), ""]
+                                       "mem_vs_dense_ckpt", "forwards", "padded_tokens", "forward_tokens",
+                                       "micro_batches", "loss", "checked", "error"]), ""]
     parts += ["## Trainer step (TRL's defaults)", "",
               _table(read_rows(out / "trainer.csv"), ["model_shape", "workload", "method", "step_s", "tokens_per_s",
                                                       "vs_trl", "peak_mem_mb", "mem_vs_trl", "error"]), ""]

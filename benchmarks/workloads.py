@@ -196,6 +196,46 @@ def multi_turn(
     )
 
 
+def per_turn(episodes: int = 8, turns: int = 30, system_len: int = 2000, turn_len: int = 100, scale: float = 1.0,
+             vocab_size: int = 4096, seed: int = 0) -> Workload:
+    """Per-turn training rows of agent episodes (one row per turn, the conversation up to it): a system prompt shared
+    by every episode, episodes that differ from their first turn on, `turns` turns each (lengths drawn uniformly
+    from `[turn_len / 2, 3 turn_len / 2]`). The tree is the system prompt with one chain per episode, a sequence
+    ending at every turn: the layout where a walk segment by segment takes one forward per turn.
+
+    ```
+    system ─┬─ turn 1 ─ turn 2 ─ ... ─ turn T      (episode 0: rows end after every turn)
+            └─ turn 1 ─ turn 2 ─ ... ─ turn T      (episode 1)
+    ```
+
+    Args:
+        episodes (`int`, *optional*, defaults to `8`): episodes (chains).
+        turns (`int`, *optional*, defaults to `30`): turns per episode (rows per chain).
+        system_len (`int`, *optional*, defaults to `2000`): system prompt tokens (before scaling).
+        turn_len (`int`, *optional*, defaults to `100`): mean tokens per turn (before scaling).
+        scale (`float`, *optional*, defaults to `1.0`): length multiplier.
+        vocab_size (`int`, *optional*, defaults to `4096`): ids are drawn from `[3, vocab_size)`.
+        seed (`int`, *optional*, defaults to `0`): RNG seed.
+    """
+    tok = _Tokens(vocab_size, seed)
+    lengths = torch.Generator().manual_seed(seed + 1)
+    S, L = _scaled(system_len, scale), _scaled(turn_len, scale)
+    system = tok.run(S)
+    seqs = []
+    for first in tok.siblings([1] * episodes):
+        history = [system, first]
+        for _ in range(turns):
+            n = int(torch.randint(max(1, L // 2), max(2, 3 * L // 2 + 1), (1,), generator=lengths))
+            history.append(tok.run(n))
+            seqs.append(torch.cat(history))
+    return Workload(
+        name=f"per-turn-{episodes}x{turns}",
+        seqs=seqs,
+        description=f"system {S} + {episodes} episodes x {turns} turns of ~{L} tokens, one row per turn",
+        params=dict(episodes=episodes, turns=turns, system_len=S, turn_len=L, scale=scale),
+    )
+
+
 def multi_turn_3x(scale: float = 1.0, vocab_size: int = 4096, seed: int = 0) -> Workload:
     """A multi-turn batch with less sharing (about 3x): shorter system prompt, longer private turns."""
     return multi_turn(

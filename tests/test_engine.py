@@ -243,7 +243,7 @@ def batches(draw):
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seqs=batches(), block_size=st.integers(1, 6), budget=st.sampled_from([None, 0, 5, 20]),
-       batch_tokens=st.sampled_from([1, 7, 64]), pack=st.sampled_from([0, 12, 1024]), data=st.data())
+       batch_tokens=st.sampled_from([1, 7, 64]), pack=st.sampled_from([None, 0, 12, 1024]), data=st.data())
 def test_hypothesis_batches_float64(seqs, block_size, budget, batch_tokens, pack, data):
     model = _HYPO_MODEL()
     n_scored = None

@@ -117,9 +117,10 @@ def test_replayed_walk_matches_the_engine(budgets, hybrid):
     prompt = torch.randint(3, 40, (7,), generator=g).tolist()
     seqs = [prompt + [3 + k] + torch.randint(3, 40, (n,), generator=g).tolist() for k, n in enumerate([2, 5, 1, 9])]
     seqs += [seqs[1][:10] + [30, 31, 32], seqs[1][:10] + [33], [20, 21, 22, 23, 24, 25]]
-    out = DTAEngine(model, **budgets).forward_backward(seqs, lambda i, lp, ent: lp.sum())
-    full = dict(block_size=1024, max_batch_tokens=8192, max_graph_tokens=None, max_pack_tokens=1024,
-                lm_head_chunk_size=1) | budgets
+    engine = DTAEngine(model, **budgets)
+    out = engine.forward_backward(seqs, lambda i, lp, ent: lp.sum())
+    full = dict(block_size=1024, max_batch_tokens=8192, max_graph_tokens=None, max_pack_tokens=None,
+                lm_head_chunk_size=1, cost=engine.row_cost()) | budgets
     tree = PrefixTree.from_sequences(seqs)
     if hybrid:
         full["max_pack_tokens"] = 0

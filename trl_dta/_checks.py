@@ -165,3 +165,17 @@ def dropout_blockers(model, module_fix: Blocker, *, training_only: bool = True) 
 def check_no_dropout(model, subject: str, module_fix: Blocker, *, training_only: bool = True) -> None:
     """Refuse a model whose dropout would be active ([`dropout_blockers`]), one message for all of it."""
     refuse(subject, dropout_blockers(model, module_fix, training_only=training_only))
+
+
+def check_loss_value(loss, i: int, device):
+    """`loss_fn`'s value for sequence `i` as a 0-d tensor, or an error: it must be a one-element tensor on `device`
+    (where the log-probs it received are)."""
+    import torch
+
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise TypeError(f"`loss_fn` must return a scalar tensor, got {shape} for sequence {i}.")
+    if loss.device != device:
+        raise ValueError(f"`loss_fn` returned a tensor on {loss.device} for sequence {i}; the log-probs it receives "
+                         f"are on {device}: compute the loss on that device.")
+    return loss.reshape(())

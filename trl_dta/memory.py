@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .engine.ops import lockstep_batches, walk_ops
-from .engine.schedule import Budgets
+from .engine.schedule import Budgets, RowCost
 from .flops import ModelShape, get_model_shape
 from .tree import as_tree
 
@@ -180,9 +180,10 @@ def peak_memory(
     *,
     max_batch_tokens: int = 8192,
     max_graph_tokens: int | None = None,
-    max_pack_tokens: int = 1024,
+    max_pack_tokens: int | None = None,
     block_size: int = 1024,
     lockstep: int | None = None,
+    row_cost: RowCost | str = "cuda",
 ) -> MemoryEstimate:
     """Estimated peak memory of a DTA training step on a batch, per attention backend.
 
@@ -227,6 +228,10 @@ def peak_memory(
         dtype (`str`, *optional*, defaults to `"bf16"`): compute dtype, one of `DTYPE_BYTES`.
         max_batch_tokens, max_graph_tokens, max_pack_tokens, block_size: the engine's budgets (see
             [`~trl_dta.DTAEngine`]).
+        row_cost (`RowCost` or `str`, *optional*, defaults to `"cuda"`): the cost model that lays out the rows and
+            decides which branching subtrees the walk packs (`engine/schedule.py`; with `max_pack_tokens=None`): a
+            device type (`"cuda"`, `"cpu"` with one thread), priced for `shape`, or the engine's own
+            (`DTAEngine.row_cost()`), so that the replay follows that engine's schedule.
         lockstep (`int`, *optional*): the walk in lockstep (`DTAEngine.lockstep`, FSDP2's `"layer"` schedule): the
             number of row batches the processes agreed on (their largest count, at least this batch's own,
             `engine.ops.lockstep_batches`); the batches beyond this batch's are idle. Refused for a hybrid model.
@@ -239,8 +244,9 @@ def peak_memory(
     shape = get_model_shape(shape)
     size = _dtype_bytes(dtype)
     hybrid = shape.recurrent_layers > 0
+    cost = RowCost.from_shape(shape, row_cost) if isinstance(row_cost, str) else row_cost
     budgets = Budgets(block_size=block_size, max_batch_tokens=max_batch_tokens, max_graph_tokens=max_graph_tokens,
-                      max_pack_tokens=0 if hybrid else max_pack_tokens, lm_head_chunk_size=1)
+                      max_pack_tokens=0 if hybrid else max_pack_tokens, lm_head_chunk_size=1, cost=cost)
     kv = kv_bytes_per_token(shape, dtype)
     sink = kv_bytes_per_token(shape, "fp32") if size < 4 else kv
     states = state_bytes_per_frame(shape, "fp32" if size < 4 else dtype)

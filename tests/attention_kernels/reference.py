@@ -28,6 +28,7 @@ class Case:
     window: int | None
     softcap: float | None
     scale: float
+    spans: tuple | None = None  # packed rows: per row, its trees' and its padding's `(lo, hi, tree)`
 
     def inputs(self):
         return [t for t in (self.query, self.path_key, self.path_value, self.key, self.value) if t is not None]
@@ -106,41 +107,56 @@ def _preorder(parents):
     return order
 
 
-def packed_case(seed, *, batch, n_heads, n_kv, path_len, dim, dtype, window=None, softcap=None, pad=2):
-    """Packed subtree rows: each row a random tree laid out in pre-order, right-padded by up to `pad` columns."""
+def packed_case(seed, *, batch, n_heads, n_kv, path_len, dim, dtype, window=None, softcap=None, pad=2, items=1):
+    """Packed subtree rows: each row `items` random trees side by side (a shared row when `items > 1`), each laid out
+    in pre-order, right-padded by up to `pad` columns. The case's `spans`: per row, each tree's `(lo, hi, tree)` and
+    its padding's."""
     gen = torch.Generator().manual_seed(seed)
-    rows = [random_tree_row(gen) for _ in range(batch)]
-    length = max(sum(lengths) for _, lengths in rows) + pad
+    rows = [[random_tree_row(gen) for _ in range(items)] for _ in range(batch)]
+    length = max(sum(sum(lengths) for _, lengths in row) for row in rows) + pad
     positions = torch.zeros(batch, length, dtype=torch.long)
     key_end = torch.arange(1, length + 1).repeat(batch, 1)  # padding sees itself
     own = torch.eye(length, dtype=torch.bool).repeat(batch, 1, 1)
-    for b, (parents, lengths) in enumerate(rows):
-        order = _preorder(parents)
-        start, depth, col = {}, {}, 0
-        for s in order:
-            depth[s] = 0 if parents[s] < 0 else depth[parents[s]] + lengths[parents[s]]
-            start[s] = col
-            col += lengths[s]
-        seg_of = [s for s in order for _ in range(lengths[s])]
-        offset = [t for s in order for t in range(lengths[s])]
-
-        def ancestors(s):
-            out = {s}
-            while parents[s] >= 0:
-                s = parents[s]
-                out.add(s)
-            return out
-
-        def subtree_tokens(s):
-            return sum(lengths[t] for t in range(len(parents)) if s in ancestors(t))
-
-        for i, (si, oi) in enumerate(zip(seg_of, offset)):
-            positions[b, i] = path_len + depth[si] + oi
-            key_end[b, i] = start[si] + subtree_tokens(si)
-            for j, (sj, oj) in enumerate(zip(seg_of, offset)):
-                own[b, i, j] = sj in ancestors(si) and (sj != si or oj <= oi)
+    spans = []
+    for b, row in enumerate(rows):
+        base, row_spans = 0, []
+        for parents, lengths in row:
+            _lay_out_tree(parents, lengths, base, path_len, positions[b], key_end[b], own[b])
+            row_spans.append((base, base + sum(lengths), len(parents) > 1))
+            base += sum(lengths)
+        if base < length:
+            row_spans.append((base, length, True))  # padding sees only itself (`key_end`), as in `visible`
+        spans.append(tuple(row_spans))
     q, pk, pv, k, v = _tensors(gen, batch, n_heads, n_kv, length, path_len, dim, dtype)
     k_pos = torch.cat([torch.arange(path_len).expand(batch, -1), positions], dim=1)
     visible = torch.cat([torch.ones(batch, length, path_len, dtype=torch.bool), own], dim=2)
     visible &= _window_ok(positions, k_pos, window)
-    return Case(q, pk, pv, k, v, positions, key_end, visible, window, softcap, dim ** -0.5)
+    return Case(q, pk, pv, k, v, positions, key_end, visible, window, softcap, dim ** -0.5, tuple(spans))
+
+
+def _lay_out_tree(parents, lengths, base, path_len, positions, key_end, own):
+    """Write one tree's depths, `key_end` and visibility into a row from column `base` on (in pre-order)."""
+    order = _preorder(parents)
+    start, depth, col = {}, {}, base
+    for s in order:
+        depth[s] = 0 if parents[s] < 0 else depth[parents[s]] + lengths[parents[s]]
+        start[s] = col
+        col += lengths[s]
+    seg_of = [s for s in order for _ in range(lengths[s])]
+    offset = [t for s in order for t in range(lengths[s])]
+
+    def ancestors(s):
+        out = {s}
+        while parents[s] >= 0:
+            s = parents[s]
+            out.add(s)
+        return out
+
+    def subtree_tokens(s):
+        return sum(lengths[t] for t in range(len(parents)) if s in ancestors(t))
+
+    for i, (si, oi) in enumerate(zip(seg_of, offset)):
+        positions[base + i] = path_len + depth[si] + oi
+        key_end[base + i] = start[si] + subtree_tokens(si)
+        for j, (sj, oj) in enumerate(zip(seg_of, offset)):
+            own[base + i, base + j] = sj in ancestors(si) and (sj != si or oj <= oi)

@@ -70,7 +70,7 @@ def _check(model, seqs, hybrid: bool, budget: dict, train: bool):
     if hybrid:
         tree = tree.unshared(min_length=2)  # as the engine walks a hybrid
     budgets = Budgets(engine.block_size, engine.max_batch_tokens, engine.max_graph_tokens,
-                      0 if hybrid else engine.max_pack_tokens, engine.lm_head_chunk_size)
+                      0 if hybrid else engine.max_pack_tokens, engine.lm_head_chunk_size, engine.row_cost())
     lockstep = None
     if extra is not None:
         assert asked == [len(lockstep_batches(tree, budgets, train=train))]
@@ -86,9 +86,9 @@ def _check(model, seqs, hybrid: bool, budget: dict, train: bool):
     open_ = []
     for op in ops:
         if isinstance(op, Push):
-            open_.append((op.segment, op.blocks))
+            open_.append((op.segments, op.blocks))
         elif isinstance(op, Pop):
-            assert open_.pop() == (op.segment, op.blocks)
+            assert open_.pop() == (op.segments, op.blocks)
     assert not open_
     if train:  # what the memory estimate replays
         replay = list(_grad_forwards(tree, budgets, hybrid=hybrid, lockstep=lockstep))

@@ -464,7 +464,7 @@ def test_construction_errors(tmp_path, model_dir, tokenizer, dataset, case, mess
         ("dta_min_compression", float("nan"), "`dta_min_compression` must be a finite number"),
         ("dta_min_compression", float("inf"), "`dta_min_compression` must be a finite number"),
         ("dta_min_compression", -0.5, "`dta_min_compression` must be a finite number >= 0.0"),
-        ("dta_max_pack_tokens", -1, "`dta_max_pack_tokens` must be a non-negative integer"),
+        ("dta_max_pack_tokens", -1, "`dta_max_pack_tokens` must be None or a non-negative integer"),
         ("dta_cost_model", "linear", "`dta_cost_model` must be one of ['default', 'fit']"),
         ("dta_block_size", True, "`dta_block_size` must be a positive integer"),
         ("dta_max_batch_tokens", 2.0, "`dta_max_batch_tokens` must be a positive integer"),

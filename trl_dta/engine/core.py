@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import _checks, kernels, vision
+from ..flops import ModelShape
 from ..modeling import attention
 from ..modeling.routers import RouterCapture, router_spec
 from ..modeling.support import check_model_support, refusal_subject, rope_kinds
@@ -28,7 +29,7 @@ from ..refusal import Blocker, refuse
 from ..tree import PrefixTree
 from . import router_loss as routers
 from .plan import ScorePlan
-from .schedule import Budgets
+from .schedule import DEFAULT_COST, Budgets, RowCost
 from .walk import Lockstep, LossFn, TreeWalk
 
 # How an engine user turns off active dropout modules (at call time, in training mode).
@@ -96,11 +97,16 @@ class DTAEngine:
             plus the running forward). A segment that would exceed it is recomputed in blocks. None keeps every graph
             (fastest: no token is forwarded twice). With `0`, the live graph never exceeds `block_size` tokens (or one
             sibling leaf).
-        max_pack_tokens (`int`, *optional*, defaults to `1024`): a subtree of at most this many tokens (and at most
-            `max_batch_tokens`) is not walked segment by segment but packed into one row of a batched forward (its
-            tokens at their depths, a tree mask inside the row): one forward and one backward instead of one per
-            segment, at the price of attention over the whole row (`O(n^2)` for `n` packed tokens). Leaves are always
-            batched. `0` walks every internal segment.
+        max_pack_tokens (`int`, *optional*): tree rows. A branching subtree may run as one row of a batched forward
+            (its tokens at their depths, a tree mask inside the row) instead of being walked: one forward and one
+            backward instead of one per walked run, at the price of attention over the whole row (`O(n^2)` for `n`
+            packed tokens, the masked pairs included); rows shared by several subtrees side by side carry the same
+            mask. None (the default): the schedule's cost model decides, from the model's shape and device
+            (`engine/schedule.py`: linear work per token, attention per query-key pair, a fixed cost per model call;
+            on a CPU a walk mostly wins, on a GPU, where a call costs thousands of tokens' work, packing does). An
+            int: pack every branching subtree of at most this many tokens (and at most `max_batch_tokens`). `0`: no
+            tree row (every branching subtree walked, one chain per row). Chains (subtrees that never branch: leaves,
+            the per-turn rows of an episode) always run as causal rows, up to `max_batch_tokens`.
         lm_head_chunk_size (`int`, *optional*, defaults to `4096`): rows projected through the LM head at once, at most
             `lm_head.MAX_TILE_LOGITS // vocab_size` (a tile holds at most 2**24 logits: 110 rows for a 152k vocabulary).
         attn_backend (`str`, *optional*, defaults to `"auto"`): the attention kernels (`trl_dta.modeling.attention`
@@ -142,12 +148,13 @@ class DTAEngine:
     """
 
     def __init__(self, model, *, block_size: int = 1024, max_batch_tokens: int = 8192,
-                 max_graph_tokens: int | None = None, max_pack_tokens: int = 1024, lm_head_chunk_size: int = 4096,
+                 max_graph_tokens: int | None = None, max_pack_tokens: int | None = None,
+                 lm_head_chunk_size: int = 4096,
                  attn_backend: str = "auto"):
         self.block_size = _checks.check_int("block_size", block_size, minimum=1)
         self.max_batch_tokens = _checks.check_int("max_batch_tokens", max_batch_tokens, minimum=1)
         self.max_graph_tokens = _checks.check_int("max_graph_tokens", max_graph_tokens, minimum=0, allow_none=True)
-        self.max_pack_tokens = _checks.check_int("max_pack_tokens", max_pack_tokens, minimum=0)
+        self.max_pack_tokens = _checks.check_int("max_pack_tokens", max_pack_tokens, minimum=0, allow_none=True)
         self.lm_head_chunk_size = _checks.check_int("lm_head_chunk_size", lm_head_chunk_size, minimum=1)
         self.attn_backend = _checks.check_choice("attn_backend", attn_backend, kernels.BACKENDS)
         self.model = model
@@ -170,6 +177,15 @@ class DTAEngine:
         """The autocast `model(...)` would run under now: accelerate's wrapper of the model's forward, else the
         caller's (`precision.py`)."""
         return Precision.of(self.model, lm, device=lm.get_output_embeddings().weight.device)
+
+    def row_cost(self, lm=None) -> RowCost:
+        """The cost model that lays out this engine's rows (`engine/schedule.py`): the model's shape on its device,
+        with the threads torch runs on a CPU (the generic [`DEFAULT_COST`] for a config the FLOP count cannot read)."""
+        device = (_causal_lm(self.model) if lm is None else lm).get_output_embeddings().weight.device
+        try:
+            return RowCost.from_shape(ModelShape.from_config(self._config), device.type, torch.get_num_threads())
+        except (ValueError, TypeError, AttributeError):
+            return DEFAULT_COST
 
     def _device_backend(self, lm) -> str:
         """The concrete backend `attn_backend` means on the model's device ("auto" resolved)."""
@@ -267,11 +283,11 @@ class DTAEngine:
         plan = ScorePlan(walked, scored)
         if loss_fn is not None:
             _checks.check_no_dropout(lm, refusal_subject(lm), _DROPOUT_FIX)
-        # Hybrid models: no packed subtree rows (a recurrence cannot follow a tree mask); leaves still run batched.
+        # Hybrid models: no tree rows (a recurrence cannot follow a tree mask); chains still run as causal rows.
         pack = 0 if self.layout.hybrid else self.max_pack_tokens
         budgets = Budgets(block_size=self.block_size, max_batch_tokens=self.max_batch_tokens,
                           max_graph_tokens=self.max_graph_tokens, max_pack_tokens=pack,
-                          lm_head_chunk_size=self.lm_head_chunk_size)
+                          lm_head_chunk_size=self.lm_head_chunk_size, cost=self.row_cost(lm))
         spec = None
         if router_loss is not None:
             spec = router_spec(lm)

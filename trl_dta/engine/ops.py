@@ -3,10 +3,12 @@
 [`walk_ops`] turns the tree, the budgets, the layout (hybrid or not) and an optional lockstep batch count into the
 sequence of operations the engine's walk performs (`walk.py` executes it, `memory.py` replays it to find the peak):
 
-- [`Rows`]: one batched forward of packed subtree rows (`rows.py`), their sequences visited, one backward;
-- [`Push`]: forward a segment after the path, push its frames, visit the sequences that end there. Kept
-  (`blocks is None`): one forward with grad in training. Recompute mode: no-grad forwards of its `blocks`;
-- [`Pop`]: pop the segment: inject its accumulated gradients into its kept graph, or (recompute mode, training)
+- [`Rows`]: one batched forward of subtree rows (`rows.py`: chains as causal rows, branching subtrees and shared rows
+  under a tree mask), their sequences visited, one backward;
+- [`Push`]: forward a run (a segment and its single-child descendants) after the path, push its frames, visit the
+  sequences that end in it. Kept (`blocks is None`): one forward, with grad in training. Recompute mode: no-grad
+  forwards of its `blocks` (over the whole run);
+- [`Pop`]: pop the run: inject its accumulated gradients into its kept graph, or (recompute mode, training)
   re-forward its blocks with grad, last to first;
 - [`Idle`]: a lockstep batch without work (one padding token, no loss), so the layers' collectives match.
 
@@ -14,9 +16,9 @@ Every op lists its model forwards ([`Forward`]: rows, tokens per row as forwarde
 kept on the path, whether it records a graph), in execution order.
 
 The order is the depth-first schedule of `schedule.py`: the children of a segment (the roots, for the empty path)
-run as row batches or lone leaves in blocks first, then the others are walked one by one (push, their own children,
-pop), smallest subtree first. In lockstep (`lockstep=n`, FSDP2's per-layer schedule) the whole tree runs as batches
-of packed root subtrees ([`lockstep_batches`]), then `n` minus their number idle batches.
+run as row batches first, then the others are walked one by one (push their run, schedule the run's last segment's
+children, pop), smallest subtree first. In lockstep (`lockstep=n`, FSDP2's per-layer schedule) the whole tree runs as
+batches of packed root subtrees ([`lockstep_batches`]), then `n` minus their number idle batches.
 """
 
 from __future__ import annotations
@@ -25,7 +27,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..tree import PrefixTree
-from .schedule import Budgets, block_bounds, graph_fits, row_batches, schedule_children
+from .schedule import (
+    Budgets,
+    TreeShape,
+    batch_width,
+    block_bounds,
+    pack_decisions,
+    row_layout,
+    row_room,
+    run_pieces,
+    schedule_children,
+)
 
 
 @dataclass(frozen=True)
@@ -57,28 +69,30 @@ class Forward:
 
 @dataclass(frozen=True)
 class Rows:
-    """One batched forward of the packed subtrees of `roots` (one row each), under the current path."""
+    """One batched forward of subtree rows under the current path: each row holds the subtrees of its roots side by
+    side (pre-order each, `rows.py`)."""
 
-    roots: tuple[int, ...]
+    rows: tuple[tuple[int, ...], ...]
     forwards: tuple[Forward, ...]
 
 
 @dataclass(frozen=True)
 class Push:
-    """Forward segment `segment` after the path and push it: kept (`blocks is None`) or in recompute `blocks`
-    (`[lo, hi)` bounds within the segment, each forwarded without grad)."""
+    """Forward a run of `segments` (consecutive in pre-order, each the only child of the one before) after the path
+    and push it: kept (`blocks is None`: one forward, with grad in training) or in recompute `blocks` (`[lo, hi)`
+    bounds within the run, each forwarded without grad)."""
 
-    segment: int
+    segments: tuple[int, ...]
     blocks: tuple[tuple[int, int], ...] | None
     forwards: tuple[Forward, ...]
 
 
 @dataclass(frozen=True)
 class Pop:
-    """Pop segment `segment` (pushed with the same `blocks`); in training with `blocks`, its blocks are re-forwarded
+    """Pop the run `segments` (pushed with the same `blocks`); in training with `blocks`, its blocks are re-forwarded
     with grad, last to first (`forwards`)."""
 
-    segment: int
+    segments: tuple[int, ...]
     blocks: tuple[tuple[int, int], ...] | None
     forwards: tuple[Forward, ...]
 
@@ -93,12 +107,16 @@ class Idle:
 Op = Rows | Push | Pop | Idle
 
 
-def lockstep_batches(tree: PrefixTree, budgets: Budgets, *, train: bool) -> list[list[int]]:
-    """The row batches of the lockstep walk: the roots' subtrees sorted by size and batched within the budgets (a
-    subtree larger than the budget is a batch of its own); the count the processes agree on is their largest."""
-    subtree_tokens = tree.subtree_tokens()
-    roots = sorted(tree.roots, key=subtree_tokens.__getitem__)
-    return row_batches(roots, subtree_tokens, budgets, train, 0) if roots else []
+def lockstep_batches(tree: PrefixTree, budgets: Budgets, *, train: bool) -> list[tuple[tuple[int, ...], ...]]:
+    """The row batches of the lockstep walk: the roots' subtrees as rows, laid out as any children's rows
+    (`schedule.row_layout`: padded, one per forward, or side by side in shared rows, whichever the cost model
+    prices lowest; a subtree larger than the budget is a batch of its own); the count the processes agree on is their
+    largest."""
+    shape = TreeShape.of(tree)
+    room = row_room(budgets, train, 0)
+    fits = [r for r in tree.roots if shape.subtree_tokens[r] <= room]
+    alone = [((r,),) for r in tree.roots if shape.subtree_tokens[r] > room]
+    return row_layout(fits, shape, budgets.cost, room=room, path=0, shared=budgets.tree_rows) + alone
 
 
 def walk_ops(tree: PrefixTree, budgets: Budgets, *, train: bool, hybrid: bool = False,
@@ -126,9 +144,9 @@ def _lockstep_ops(tree: PrefixTree, budgets: Budgets, train: bool, n: int) -> It
     if n < len(batches):
         raise RuntimeError(f"lockstep: the processes agreed on {n} row batches, fewer than this one's "
                            f"{len(batches)}; `lockstep` must return the largest count.")
-    subtree_tokens = tree.subtree_tokens()
+    shape = TreeShape.of(tree)
     for batch in batches:
-        yield Rows(tuple(batch), (Forward(len(batch), max(subtree_tokens[r] for r in batch), 0, 0, 0, train),))
+        yield Rows(batch, (Forward(len(batch), batch_width(batch, shape), 0, 0, 0, train),))
     for _ in range(n - len(batches)):
         yield Idle((Forward(1, 1, 0, 0, 0, train),))
 
@@ -138,32 +156,31 @@ class _Schedule:
 
     def __init__(self, tree: PrefixTree, budgets: Budgets, train: bool, hybrid: bool):
         self.tree, self.budgets, self.train, self.hybrid = tree, budgets, train, hybrid
-        self.subtree_tokens = tree.subtree_tokens()
-        self.has_children = [bool(s.children) for s in tree.segments]
+        self.shape = TreeShape.of(tree)
+        self.pack = pack_decisions(self.shape, budgets)
         self.path = self.frames = self.live = 0
-        self.pushed: dict[int, Push] = {}
+        self.pushed: dict[tuple[int, ...], Push] = {}
 
     def ops(self) -> Iterator[Op]:
-        todo: list[tuple[str, int]] = [("children", -1)]  # from the empty path
+        todo: list[tuple[str, object]] = [("children", -1)]  # from the empty path
         while todo:
-            kind, s = todo.pop()
-            if kind == "enter":
-                yield self._push(s)
-            elif kind == "exit":
-                yield self._pop(s)
+            kind, item = todo.pop()
+            if kind == "push":
+                yield self._push(*item)
+            elif kind == "pop":
+                yield self._pop(item)
             else:
-                kids = self.tree.roots if s < 0 else self.tree.segments[s].children
-                plan = schedule_children(kids, self.has_children, self.subtree_tokens, self.budgets,
-                                         train=self.train, live=self.live)
-                for step, batch in plan.steps:
-                    if step == "rows":
-                        width = max(self.subtree_tokens[r] for r in batch)
-                        yield Rows(tuple(batch), (self._forward(len(batch), width, 0, self.train),))
-                    else:  # a lone leaf in blocks
-                        yield self._push(batch[0])
-                        yield self._pop(batch[0])
-                for c in reversed(plan.walk):
-                    todo += [("exit", c), ("children", c), ("enter", c)]
+                kids = self.tree.roots if item < 0 else self.shape.children[item]
+                plan = schedule_children(kids, self.shape, self.budgets, self.pack, train=self.train,
+                                         live=self.live, path=self.path)
+                for batch in plan.rows:
+                    yield Rows(batch, (self._forward(len(batch), batch_width(batch, self.shape), 0, self.train),))
+                for c in reversed(plan.walk):  # `todo` is a stack: the first walked child goes on last
+                    run = self.shape.run(c)
+                    pieces = run_pieces(run, self.shape, self.budgets, train=self.train, live=self.live)
+                    steps = [("push", p) for p in pieces] + [("children", run[-1])]
+                    steps += [("pop", p[0]) for p in reversed(pieces)]
+                    todo += reversed(steps)
 
     def _forward(self, rows: int, length: int, frames: int, grad: bool, offset: int = 0) -> Forward:
         """A forward of `rows x length` tokens after `offset` tokens and `frames` frames above the path."""
@@ -172,33 +189,35 @@ class _Schedule:
             length = 2
         return Forward(rows, length, self.path + offset, frames, self.live, grad)
 
-    def _push(self, s: int) -> Push:
-        length = self.tree.segments[s].length
-        if graph_fits(self.budgets, self.train, self.live, length):
-            op = Push(s, None, (self._forward(1, length, 0, self.train),))
+    def _push(self, segments: tuple[int, ...], kept: bool) -> Push:
+        length = sum(self.shape.lengths[s] for s in segments)
+        if kept:
+            op = Push(segments, None, (self._forward(1, length, 0, self.train),))
             n_frames = 1
             if self.train:
                 self.live += length
         else:
             blocks = tuple(block_bounds(length, self.budgets.block_size, min_block=2 if self.hybrid else 1))
-            op = Push(s, blocks, tuple(self._forward(1, hi - lo, k, False, lo) for k, (lo, hi) in enumerate(blocks)))
+            op = Push(segments, blocks, tuple(self._forward(1, hi - lo, k, False, lo)
+                                              for k, (lo, hi) in enumerate(blocks)))
             n_frames = len(blocks)
         self.path += length
         self.frames += n_frames
-        self.pushed[s] = op
+        self.pushed[segments] = op
         return op
 
-    def _pop(self, s: int) -> Pop:
-        push = self.pushed.pop(s)
-        self.path -= self.tree.segments[s].length
+    def _pop(self, segments: tuple[int, ...]) -> Pop:
+        push = self.pushed.pop(segments)
+        length = sum(self.shape.lengths[s] for s in segments)
+        self.path -= length
         if push.blocks is None:
             self.frames -= 1
             if self.train:
-                self.live -= self.tree.segments[s].length
-            return Pop(s, None, ())
+                self.live -= length
+            return Pop(segments, None, ())
         self.frames -= len(push.blocks)
         forwards = ()
         if self.train:  # each block re-forwarded after the earlier blocks' keys, last to first
             forwards = tuple(self._forward(1, hi - lo, k, True, lo) for k, (lo, hi) in reversed(list(enumerate(
                 push.blocks))))
-        return Pop(s, push.blocks, forwards)
+        return Pop(segments, push.blocks, forwards)

@@ -1,12 +1,12 @@
-r"""Packed subtree rows: several small subtrees forwarded as the rows of one batch.
+r"""Subtree rows: small subtrees forwarded as the rows of one batch.
 
-Each row holds one subtree's segments in pre-order, right-padded to the longest row. A token sits at its depth (its
-position id) and sees the path's keys plus the tokens of its row whose segment is an ancestor-or-self of its own
-segment and that are not deeper. Pre-order makes every subtree a contiguous range of columns, so the tokens that see
-a key are an interval: a token of segment `g` (first column `c`) is seen by the columns from its own up to
-`key_end = c + subtree_tokens[g]` (exclusive), one int per key instead of a `(width, width)` mask (the attention
-kernels take it as is, see `kernels.masks`). For a row `[a b | c | d]` with `c` and `d` both children of `[a b]`
-(depths 0 1 | 2 | 2; `key_end = [4, 4, 3, 4]`):
+Each row holds the segments of one or more subtrees (side by side, each in pre-order), right-padded to the longest
+row. A token sits at its depth (its position id) and sees the path's keys plus the tokens of its row whose segment is
+an ancestor-or-self of its own segment and that are not deeper. Pre-order makes every subtree a contiguous range of
+columns, so the tokens that see a key are an interval: a token of segment `g` (first column `c`) is seen by the
+columns from its own up to `key_end = c + subtree_tokens[g]` (exclusive), one int per key instead of a
+`(width, width)` mask (the attention kernels take it as is, see `kernels.masks`). For a row `[a b | c | d]` with `c`
+and `d` both children of `[a b]` (depths 0 1 | 2 | 2; `key_end = [4, 4, 3, 4]`):
 
 ```
             keys:  a  b  c  d
@@ -16,9 +16,10 @@ kernels take it as is, see `kernels.masks`). For a row `[a b | c | d]` with `c` 
   query d:         1  1  0  1
 ```
 
-A row of one segment is plain causal; when every row is a single segment the rows continue the path causally and
-need neither depths nor `key_end`. A padding column gets `key_end = column + 1`: it sees only itself (never an empty
-softmax row) and no real token sees it.
+A row of one chain (a subtree that never branches) is plain causal; when every row is one chain the rows continue the
+path causally and need neither depths nor `key_end`. Two subtrees side by side in one row (a *shared* row) are two
+disjoint intervals: neither sees the other. A padding column gets `key_end = column + 1`: it sees only itself (never
+an empty softmax row) and no real token sees it.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ from dataclasses import dataclass
 import torch
 
 from ..tree import PrefixTree
+from .schedule import TreeShape, batch_width, causal_batch, shared_batch
 
 
 @dataclass
 class PackedRows:
-    """A batch of packed subtree rows.
+    """A batch of subtree rows.
 
     Args:
         ids (`torch.LongTensor` of shape `(batch, width)`): token ids, right-padded with 0.
@@ -40,9 +42,12 @@ class PackedRows:
         rows (`list[list[int]]`): the segments of each row, in pre-order.
         n_real (`int`): real (unpadded) tokens.
         positions (`torch.LongTensor` of shape `(batch, width)`, *optional*): depths; None when every row is one
-            segment (the rows then continue the path causally).
+            chain (the rows then continue the path causally).
         key_end (`torch.LongTensor` of shape `(batch, width)`, *optional*): with `positions`: token `j` of row `b` is
             seen by the columns `j .. key_end[b, j] - 1` of its row (see the module docstring).
+        spans (`tuple`, *optional*): when some row holds several subtrees: per row, its subtrees' and its padding's
+            `(lo, hi, tree)` column ranges (`tree`: a branching subtree, which needs its `key_end`), for the attention
+            to run each on its own (`kernels.two_part_attention`).
     """
 
     ids: torch.Tensor
@@ -51,34 +56,48 @@ class PackedRows:
     n_real: int
     positions: torch.Tensor | None = None
     key_end: torch.Tensor | None = None
+    spans: tuple[tuple[tuple[int, int, bool], ...], ...] | None = None
 
 
-def pack_rows(tree: PrefixTree, roots: list[int], subtree_segments: list[int], subtree_tokens: list[int],
-              tokens: list[torch.Tensor], device) -> PackedRows:
-    """Lay out the subtrees of `roots` as the rows of one batch.
+def pack_rows(tree: PrefixTree, rows: tuple[tuple[int, ...], ...], shape: TreeShape, tokens: list[torch.Tensor],
+              device) -> PackedRows:
+    """Lay out subtrees as the rows of one batch: each row the subtrees of its roots side by side.
 
     Args:
         tree (`PrefixTree`): the batch.
-        roots (`list[int]`): one subtree root per row.
-        subtree_segments (`list[int]`), subtree_tokens (`list[int]`): `(n_segments,)`, from the tree.
+        rows (`tuple[tuple[int, ...], ...]`): per row, the roots of the subtrees it holds.
+        shape (`TreeShape`): the tree's per-segment facts.
         tokens (`list[torch.LongTensor]`): per segment, its ids `(length,)` on `device`.
     """
     segs = tree.segments
-    rows = [list(range(r, r + subtree_segments[r])) for r in roots]
-    width = max(subtree_tokens[r] for r in roots)
-    ids = torch.zeros(len(roots), width, dtype=torch.long, device=device)  # (batch, width)
+    span, size = shape.subtree_segments, shape.subtree_tokens
+    layout = [[g for r in roots for g in range(r, r + span[r])] for roots in rows]
+    width = batch_width(rows, shape)
+    ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)  # (batch, width)
     columns = {}
-    for b, row in enumerate(rows):
+    for b, row in enumerate(layout):
         col = 0
         for g in row:
             columns[g] = (b, col)
             ids[b, col : col + segs[g].length] = tokens[g]
             col += segs[g].length
-    packed = PackedRows(ids, columns, rows, sum(subtree_tokens[r] for r in roots))
-    if any(len(row) > 1 for row in rows):
-        packed.positions, packed.key_end = tree_intervals(tree, rows, width, subtree_tokens, device)
+    packed = PackedRows(ids, columns, layout, sum(size[r] for roots in rows for r in roots))
+    if not causal_batch(rows, shape):
+        packed.positions, packed.key_end = tree_intervals(tree, layout, width, size, device)
+    if shared_batch(rows):
+        packed.spans = tuple(row_spans(roots, shape, width) for roots in rows)
     return packed
 
+
+def row_spans(roots: tuple[int, ...], shape: TreeShape, width: int) -> tuple[tuple[int, int, bool], ...]:
+    """`(lo, hi, tree)` of each subtree of a row and of its padding, in column order."""
+    out, col = [], 0
+    for r in roots:
+        out.append((col, col + shape.subtree_tokens[r], not shape.chain[r]))
+        col += shape.subtree_tokens[r]
+    if col < width:
+        out.append((col, width, False))  # padding: causal among itself, seen by no real token
+    return tuple(out)
 
 def tree_intervals(tree: PrefixTree, rows: list[list[int]], width: int, subtree_tokens: list[int],
                    device) -> tuple[torch.Tensor, torch.Tensor]:

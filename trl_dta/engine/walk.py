@@ -17,27 +17,22 @@ Precision (`precision.py`): the whole walk runs under the autocast of the dense 
 MoE router loss (`router_loss.py`): with a `router`, each forward hands its tokens' tree indices to it; in training the
 scalar router term it returns joins the forward's own backward (the segment's `_inject`, or the rows' pending loss).
 
-Lockstep (`lockstep`, for a model sharded layer by layer across processes, `parallel/fsdp2.py`): every process must
-then make the same sequence of model forwards and backwards, whatever its tree, because each layer's forward and
-backward is a collective. The walk replaces its depth-first schedule by packed rows only: the roots' subtrees, each
-one row with its tree mask (`rows.py`), batched by size within the budgets (`ops.lockstep_batches`; a subtree larger
-than the budget is a batch of its own), one forward and, in training, one backward per batch that enters every layer
-through its output (a zero multiple of the last hidden state joins the loss). `lockstep(n)` returns the largest batch
-count of the processes; a process with fewer runs the difference as idle batches (one padding token, no loss). Every
-token is still forwarded and back-propagated once; what is given up is the two-part attention of siblings over a
-stored prefix: a row attends over its whole packed subtree.
+Lockstep (`lockstep`, for a model sharded layer by layer across processes: FSDP2's and ZeRO-3's per-layer schedules):
+every process must make the same sequence of model forwards and backwards, because each layer's forward and backward
+is a collective. The walk then runs the roots' subtrees as rows only (`ops.lockstep_batches`), one forward and, in
+training, one backward per batch that enters every layer through its output (a zero multiple of the last hidden
+state joins the loss), and `lockstep(n)`'s count, the largest of the processes', minus its own as idle batches (one
+padding token, no loss).
 
 Hybrid models (`recurrent/`, a `layout` with recurrent layers): every forward passes a [`StateCarrier`] as the model's
 `cache=`, which hands the recurrent layers the path's states (the top frame's) and records their new ones; a frame
-pushes those as sinks beside its keys/values and `_inject` back-propagates their summed gradients with the segment's
-graph. The engine gives such a walk no packed subtree rows and no lockstep (a recurrence cannot follow a tree mask),
-and no one-token segment with children (`PrefixTree.unshared`); a forward of one token after a non-empty path (a
-one-token leaf, or a leaf's last block) is padded to two tokens on the right, because transformers' layers decode
-one token with in-place state updates, and its states are not kept (a leaf hands them to nobody).
+pushes those as sinks beside its keys/values and `_inject` back-propagates their summed gradients with the run's
+graph. Such a walk has no tree rows, no shared rows and no lockstep (a recurrence cannot follow a tree mask), and no
+one-token segment with children (`PrefixTree.unshared`); a forward of one token after a non-empty path is padded to
+two tokens on the right (transformers' layers decode one token with in-place state updates), its states not kept.
 
-Inputs adapter (`inputs`, vision-language models: `vision/inputs.py`): every forward takes the model's inputs from
-`inputs(ids, nodes)` (`nodes`: the tokens' flat tree-token indices, `-1` for padding), `inputs_embeds` and
-`position_ids` in place of `input_ids` and the depths; the attention's own positions stay the depths.
+Inputs adapter (`inputs`, vision-language models: `vision/inputs.py`): every forward takes `inputs_embeds` and
+`position_ids` from `inputs(ids, nodes)` (`nodes`: flat tree-token indices, `-1` for padding); attention keeps depths.
 """
 
 from __future__ import annotations
@@ -47,6 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._checks import check_loss_value
 from ..kv_stack import Frame, KVStack
 from ..modeling.attention import AttentionContext
 from ..modeling.lm_head import HeadSpec, head_logprobs
@@ -55,9 +51,10 @@ from ..recurrent import LayerLayout, StateCarrier
 from ..refusal import Blocker, refuse
 from ..tree import PrefixTree
 from .ops import Op, Pop, Push, Rows, lockstep_batches, walk_ops
-from .plan import BlockTargets, ScorePlan
+from .plan import ScorePlan
 from .rows import pack_rows
-from .schedule import Budgets
+from .schedule import Budgets, TreeShape
+from .targets import Targets
 
 LossFn = Callable[[int, torch.Tensor, torch.Tensor | None], torch.Tensor]
 Lockstep = Callable[[int], int]  # agree(n): the largest n over the processes (an all-reduce)
@@ -82,10 +79,20 @@ class WalkResult:
 
 
 @dataclass
-class _SegmentState:
-    """A segment whose outputs are live: its scored outputs and how to back-propagate it."""
+class _Outputs:
+    """Where a live segment's scored outputs are: `lp[offset : offset + n_outputs]` (and `ent` likewise), inside the
+    outputs of the run or the rows that computed it."""
 
-    out_lp: torch.Tensor  # (n_outputs,) gradient sink in training: internal targets, then one fork per scored child
+    lp: torch.Tensor  # (n,) the run's gradient sink in training, or the rows' scored log-probs (with their graph)
+    ent: torch.Tensor | None
+    offset: int
+
+
+@dataclass
+class _RunState:
+    """A pushed run: its scored outputs and how to back-propagate it."""
+
+    out_lp: torch.Tensor  # (n_outputs,) gradient sink in training: per segment, internal targets then forks
     out_ent: torch.Tensor | None  # (n_outputs,) or None
     n_frames: int  # frames it pushed on the stack
     graph: tuple | None = None  # keep mode: (kv per layer, states per layer, lp, ent, aux) with autograd history
@@ -135,11 +142,10 @@ class TreeWalk:
         self.wants_nodes = router is not None or inputs is not None  # forwards pass their tree-token indices on
         self.stack = KVStack(layout.n_layers)
         self.tokens = [tree.tokens(s.index).to(self.device) for s in tree.segments]  # per segment (length,)
-        self.fork_tokens = [torch.stack([self.tokens[c][0] for c in kids]) if kids else None  # (n_forks,)
-                            for kids in plan.fork_children]
-        self.subtree_tokens = tree.subtree_tokens()
-        self.subtree_segments = tree.subtree_segments()
-        self.live_outputs: dict[int, _SegmentState] = {}  # segments of the current path and the running rows
+        self.targets = Targets(plan, self.tokens)
+        self.shape = TreeShape.of(tree)
+        self.live_outputs: dict[int, _Outputs] = {}  # segments of the current path and of the running rows
+        self.runs: dict[tuple[int, ...], _RunState] = {}  # the pushed runs
         self.logps: list[torch.Tensor | None] = [None] * tree.n_sequences
         self.ents: list[torch.Tensor | None] = [None] * tree.n_sequences
         self.total = None
@@ -167,11 +173,11 @@ class TreeWalk:
     def _execute(self, op: Op) -> None:
         """The tensor work of one op of the schedule (`ops.py`)."""
         if isinstance(op, Rows):
-            self._run_rows(list(op.roots))
+            self._run_rows(op.rows)
         elif isinstance(op, Push):
-            self._push(op.segment, op.blocks)
+            self._push(op.segments, op.blocks)
         elif isinstance(op, Pop):
-            self._pop(op.segment, op.blocks)
+            self._pop(op.segments, op.blocks)
         else:
             self._idle_batch()
 
@@ -189,7 +195,7 @@ class TreeWalk:
     # ------------------------------------------------------------------ model calls
 
     def _forward(self, ids: torch.Tensor, n_real: int, nodes: torch.Tensor | None,
-                 positions: torch.Tensor | None = None, key_end: torch.Tensor | None = None):
+                 positions: torch.Tensor | None = None, key_end: torch.Tensor | None = None, spans=None):
         """Forward `ids` `(batch, length)` after the current path; `nodes` `(batch, length)` are their flat tree-token
         indices (`-1` for padding). Returns hidden `(batch, length, hidden)`, the new keys/values per layer, each
         `(batch, n_kv_heads, length, head_dim)` (None for a layer without attention), the new recurrent states per
@@ -198,14 +204,16 @@ class TreeWalk:
 
         Without `key_end` the rows continue the path causally (positions `path_len + arange(length)`). With it
         (packed rows) `positions` `(batch, length)` are the tokens' depths and `key_end` `(batch, length)` says which
-        tokens of its row see each token (`rows.py`; the path's keys are visible to all)."""
+        tokens of its row see each token (`rows.py`; the path's keys are visible to all), and `spans` the column ranges
+        of a shared row's subtrees."""
         batch, length = ids.shape
         pad = self.layout.hybrid and length == 1 and self.stack.frames  # see the module docstring
         if pad:
             ids = torch.nn.functional.pad(ids, (0, 1))  # (batch, 2): one padding column on the right
             nodes = None if nodes is None else torch.nn.functional.pad(nodes, (0, 1), value=-1)
             length = 2
-        ctx = AttentionContext(self.stack, positions=positions, key_end=key_end, backend=self.attn_backend)
+        ctx = AttentionContext(self.stack, positions=positions, key_end=key_end, backend=self.attn_backend,
+                               spans=spans)
         if positions is None:
             start = self.stack.length
             positions = torch.arange(start, start + length, device=self.device).expand(batch, length)
@@ -236,12 +244,12 @@ class TreeWalk:
             states = None
         return hidden, kv, states, aux
 
-    def _nodes(self, s: int, lo: int, hi: int) -> torch.Tensor | None:
-        """Flat tree-token indices `(1, hi - lo)` of tokens `lo .. hi - 1` of segment `s` (None without a router
-        term or an inputs adapter: nobody needs them)."""
+    def _nodes(self, run: tuple[int, ...], lo: int, hi: int) -> torch.Tensor | None:
+        """Flat tree-token indices `(1, hi - lo)` of tokens `lo .. hi - 1` of a run (consecutive segments in pre-order:
+        consecutive tree tokens), None without a router term or an inputs adapter: nobody needs them."""
         if not self.wants_nodes:
             return None
-        offset = self.tree.segments[s].offset
+        offset = self.tree.segments[run[0]].offset
         return torch.arange(offset + lo, offset + hi, device=self.device)[None]
 
     def _score(self, hidden: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor):
@@ -249,17 +257,6 @@ class TreeWalk:
         self.stats["scored_positions"] += len(targets)
         return head_logprobs(self.head, hidden[positions], targets, temperature=self.temperature,
                              entropy=self.want_ent, chunk_size=self.budgets.lm_head_chunk_size)
-
-    def _targets(self, s: int, lo: int, block: BlockTargets) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions relative to `lo` `(n,)` and target ids `(n,)` of a block of segment `s`, in output order."""
-        r = block.internal
-        pos = torch.arange(r.start - lo, r.stop - lo, device=self.device)
-        tgt = self.tokens[s][r.start + 1 : r.stop + 1]
-        if block.forks:
-            last = self.tree.segments[s].length - 1 - lo
-            pos = torch.cat([pos, torch.full((len(block.forks),), last, device=self.device)])
-            tgt = torch.cat([tgt, self.fork_tokens[s]])
-        return pos, tgt
 
     # ------------------------------------------------------------------ push / visit / pop
 
@@ -279,38 +276,48 @@ class TreeWalk:
             states = [None if t is None else tuple(self._grad_sink(x) for x in t) for t in states]
         self.stack.push(Frame(keys, values, length, states))
 
-    def _push(self, s: int, blocks: tuple[tuple[int, int], ...] | None) -> None:
-        """Forward segment `s` after the path (keep mode, `blocks` None; or no-grad `blocks` in recompute mode) and
-        visit the sequences that end there."""
-        length = self.tree.segments[s].length
+    def _push(self, run: tuple[int, ...], blocks: tuple[tuple[int, int], ...] | None) -> None:
+        """Forward a run (consecutive segments, each the only child of the one before) after the path (keep mode,
+        `blocks` None; or no-grad `blocks` over the run in recompute mode) and visit the sequences that end in it."""
+        length = sum(self.shape.lengths[s] for s in run)
+        ids = self.targets.ids(run)  # (length,)
         if blocks is None:
-            hidden, kv, states, aux = self._forward(self.tokens[s][None], length, self._nodes(s, 0, length))
-            lp, ent = self._score(hidden[0], *self._targets(s, 0, self.plan.block(s, 0, length)))
+            hidden, kv, states, aux = self._forward(ids[None], length, self._nodes(run, 0, length))
+            pos, tgt, _, _ = self.targets.run(run, 0, length)
+            lp, ent = self._score(hidden[0], pos, tgt)
             self._push_frame(kv, length, states)
             graph = (kv, states, lp, ent, aux) if self.train else None
-            state = _SegmentState(self._grad_sink(lp), self._grad_sink(ent), 1, graph=graph)
+            state = _RunState(self._grad_sink(lp), self._grad_sink(ent), 1, graph=graph)
             if self.train:
                 self.live += length
         else:
             lps, ents = [], []
             with torch.no_grad():
                 for lo, hi in blocks:
-                    hidden, kv, states, _ = self._forward(self.tokens[s][None, lo:hi], hi - lo, self._nodes(s, lo, hi))
-                    lp, ent = self._score(hidden[0], *self._targets(s, lo, self.plan.block(s, lo, hi)))
+                    hidden, kv, states, _ = self._forward(ids[None, lo:hi], hi - lo, self._nodes(run, lo, hi))
+                    pos, tgt, _, _ = self.targets.run(run, lo, hi)
+                    lp, ent = self._score(hidden[0], pos, tgt)
                     lps.append(lp)
                     ents.append(ent)
                     self._push_frame(kv, hi - lo, states)
             ent = torch.cat(ents) if self.want_ent else None
-            state = _SegmentState(self._grad_sink(torch.cat(lps)), self._grad_sink(ent), len(blocks))
-        self.live_outputs[s] = state
-        for i in self.tree.segments[s].ends:
-            self._visit(i)
+            state = _RunState(self._grad_sink(torch.cat(lps)), self._grad_sink(ent), len(blocks))
+        self.runs[run] = state
+        offset = 0
+        for s in run:
+            self.live_outputs[s] = _Outputs(state.out_lp, state.out_ent, offset)
+            offset += self.plan.n_outputs(s)
+        for s in run:
+            for i in self.tree.segments[s].ends:
+                self._visit(i)
         self._backward_pending()
 
-    def _pop(self, s: int, blocks: tuple[tuple[int, int], ...] | None) -> None:
-        """Pop segment `s`: inject its accumulated gradients into its graph (recomputing it block by block, last to
-        first, in recompute mode: `blocks`, as pushed)."""
-        state = self.live_outputs.pop(s)
+    def _pop(self, run: tuple[int, ...], blocks: tuple[tuple[int, int], ...] | None) -> None:
+        """Pop a run: inject its accumulated gradients into its graph (recomputing it block by block, last to first,
+        in recompute mode: `blocks`, as pushed)."""
+        state = self.runs.pop(run)
+        for s in run:
+            del self.live_outputs[s]
         if not self.train:
             for _ in range(state.n_frames):
                 self.stack.pop()
@@ -320,15 +327,15 @@ class TreeWalk:
             kv, states, lp, ent, aux = state.graph
             self._inject(frame, kv, states, (lp, state.out_lp.grad),
                          (ent, None if ent is None else state.out_ent.grad), _unit(aux))
-            self.live -= self.tree.segments[s].length
+            self.live -= sum(self.shape.lengths[s] for s in run)
             return
+        ids = self.targets.ids(run)  # (length,)
         for lo, hi in reversed(blocks):
             frame = self.stack.pop()
-            hidden, kv, states, aux = self._forward(self.tokens[s][None, lo:hi], hi - lo, self._nodes(s, lo, hi))
-            block = self.plan.block(s, lo, hi)
-            lp, ent = self._score(hidden[0], *self._targets(s, lo, block))
+            hidden, kv, states, aux = self._forward(ids[None, lo:hi], hi - lo, self._nodes(run, lo, hi))
+            pos, tgt, a, b = self.targets.run(run, lo, hi)
+            lp, ent = self._score(hidden[0], pos, tgt)
             self.stats["recomputed_tokens"] += hi - lo
-            a, b = block.outputs
             g_lp = None if state.out_lp.grad is None else state.out_lp.grad[a:b]
             g_ent = None if ent is None or state.out_ent.grad is None else state.out_ent.grad[a:b]
             self._inject(frame, kv, states, (lp, g_lp), (ent, g_ent), _unit(aux))
@@ -358,35 +365,38 @@ class TreeWalk:
                 torch.autograd.backward(tensors, grads)
             self.stats["backwards"] += 1
 
-    def _run_rows(self, roots: list[int]) -> None:
-        """Forward small subtrees as the rows of one batch (`rows.py`), visit their sequences, back-propagate once.
-        Every token of the rows is forwarded and back-propagated exactly once."""
+    def _run_rows(self, rows: tuple[tuple[int, ...], ...]) -> None:
+        """Forward subtrees as the rows of one batch (`rows.py`: each row the subtrees of its roots side by side),
+        visit their sequences, back-propagate once. Every token of the rows is forwarded and back-propagated exactly
+        once."""
         segs = self.tree.segments
-        packed = pack_rows(self.tree, roots, self.subtree_segments, self.subtree_tokens, self.tokens, self.device)
+        packed = pack_rows(self.tree, rows, self.shape, self.tokens, self.device)
         nodes = None
         if self.wants_nodes:
             nodes = torch.full(packed.ids.shape, -1, dtype=torch.long, device=self.device)  # (batch, width)
             for g, (b, col) in packed.columns.items():
-                nodes[b, col : col + segs[g].length] = self._nodes(g, 0, segs[g].length)[0]
-        hidden, _, _, aux = self._forward(packed.ids, packed.n_real, nodes, packed.positions, packed.key_end)
+                nodes[b, col : col + segs[g].length] = self._nodes((g,), 0, segs[g].length)[0]
+        hidden, _, _, aux = self._forward(packed.ids, packed.n_real, nodes, packed.positions, packed.key_end,
+                                          packed.spans)
         if aux is not None:
             self.pending = aux if self.pending is None else self.pending + aux
         # Score every segment's outputs in the standard layout: internal targets, then forks to scored children.
-        rows, cols, targets, sizes = [], [], [], []
+        rows_idx, cols, targets, offsets = [], [], [], []
+        n = 0
         for g, (b, col) in packed.columns.items():
-            pos, tgt = self._targets(g, 0, self.plan.block(g, 0, segs[g].length))
-            rows.append(torch.full((len(tgt),), b, device=self.device))
+            pos, tgt = self.targets.segment(g, 0, self.plan.block(g, 0, segs[g].length))
+            rows_idx.append(torch.full((len(tgt),), b, device=self.device))
             cols.append(pos + col)
             targets.append(tgt)
-            sizes.append(len(tgt))
+            offsets.append(n)
+            n += len(tgt)
         targets = torch.cat(targets)  # (n_scored,)
         self.stats["scored_positions"] += len(targets)
-        lp, ent = head_logprobs(self.head, hidden[torch.cat(rows), torch.cat(cols)], targets,
+        lp, ent = head_logprobs(self.head, hidden[torch.cat(rows_idx), torch.cat(cols)], targets,
                                 temperature=self.temperature, entropy=self.want_ent,
                                 chunk_size=self.budgets.lm_head_chunk_size)
-        ents = ent.split(sizes) if ent is not None else [None] * len(sizes)
-        for g, a, e in zip(packed.columns, lp.split(sizes), ents):
-            self.live_outputs[g] = _SegmentState(a, e, 0)
+        for g, offset in zip(packed.columns, offsets):
+            self.live_outputs[g] = _Outputs(lp, ent, offset)
         for g in packed.columns:
             for i in segs[g].ends:
                 self._visit(i)
@@ -401,10 +411,10 @@ class TreeWalk:
         (`ScorePlan.slices`) and add its loss."""
         lp_parts, ent_parts = [], []
         for s, a, b in self.plan.slices(i):
-            state = self.live_outputs[s]
-            lp_parts.append(state.out_lp[a:b])
+            out = self.live_outputs[s]
+            lp_parts.append(out.lp[out.offset + a : out.offset + b])
             if self.want_ent:
-                ent_parts.append(state.out_ent[a:b])
+                ent_parts.append(out.ent[out.offset + a : out.offset + b])
         lp = self._cat(lp_parts)
         ent = self._cat(ent_parts) if self.want_ent else None
         self.logps[i] = lp.detach()
@@ -412,24 +422,13 @@ class TreeWalk:
             self.ents[i] = ent.detach()
         if self.train:
             with self.precision.outside():
-                loss = self.loss_fn(i, lp, ent)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-                raise TypeError(f"`loss_fn` must return a scalar tensor, got {shape} for sequence {i}.")
-            if loss.device != self.device:
-                raise ValueError(
-                    f"`loss_fn` returned a tensor on {loss.device} for sequence {i}; the log-probs it receives are "
-                    f"on {self.device}: compute the loss on that device."
-                )
-            loss = loss.reshape(())
+                loss = check_loss_value(self.loss_fn(i, lp, ent), i, self.device)
             self.total = loss.detach() if self.total is None else self.total + loss.detach()
             self.pending = loss if self.pending is None else self.pending + loss
 
     def _cat(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        if not parts:
-            dtype = self.lm.get_output_embeddings().weight.dtype
-            dtype = acc_dtype(dtype)
-            return torch.zeros(0, device=self.device, dtype=dtype)
+        if not parts:  # nothing scored: an empty vector in the dtype log-probs come in
+            return torch.zeros(0, device=self.device, dtype=acc_dtype(self.lm.get_output_embeddings().weight.dtype))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _backward_pending(self) -> None:

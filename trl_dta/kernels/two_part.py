@@ -46,6 +46,7 @@ from .._checks import check_choice, check_float, check_int
 from ..precision import acc_dtype
 from .masks import PartMask
 from .sdpa import concat_attention
+from .spans import Span, check_spans, plan_spans, spans_backward, spans_forward
 from .torch_parts import MATH, TORCH, PartKernel
 
 
@@ -92,6 +93,7 @@ class _Plan:
     softcap: float | None
     path_kernel: PartKernel | None
     own_kernel: PartKernel
+    own_spans: tuple[Span, ...] | None = None  # shared rows: the own part span by span, in row-major order
 
 
 def _fold(x: torch.Tensor) -> torch.Tensor:
@@ -116,7 +118,10 @@ def _sink_lse(lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
 def two_part_forward(query, path_key, path_value, key, value, sinks, plan: _Plan):
     """Merged output `(batch, n_heads, length, head_dim)`, log-sum-exp `(batch, n_heads, length)` (the sinks
     included) and the parts' aux."""
-    out_r, lse_r, aux_r = plan.own_kernel.forward(query, key, value, plan.own_mask, plan.scale, plan.softcap)
+    if plan.own_spans is None:
+        out_r, lse_r, aux_r = plan.own_kernel.forward(query, key, value, plan.own_mask, plan.scale, plan.softcap)
+    else:
+        out_r, lse_r, aux_r = spans_forward(query, key, value, plan.own_spans, plan.scale, plan.softcap)
     if plan.path_mask is None and sinks is None:
         return out_r, lse_r, (None, aux_r)
     batch = query.shape[0]
@@ -139,8 +144,12 @@ def two_part_backward(grad_out, query, path_key, path_value, key, value, sinks, 
     """Gradients of query, path key/value (None without a path), own key/value and the sinks (None without), from
     the merged `(out, lse)`."""
     aux_p, aux_r = aux
-    grad_query, grad_key, grad_value = plan.own_kernel.backward(
-        grad_out, query, key, value, out, lse, aux_r, plan.own_mask, plan.scale, plan.softcap)
+    if plan.own_spans is None:
+        grad_query, grad_key, grad_value = plan.own_kernel.backward(
+            grad_out, query, key, value, out, lse, aux_r, plan.own_mask, plan.scale, plan.softcap)
+    else:
+        grad_query, grad_key, grad_value = spans_backward(grad_out, query, key, value, out, lse, aux_r,
+                                                          plan.own_spans, plan.scale, plan.softcap)
     grad_sinks = None
     if sinks is not None:  # the sink is a key of value 0: dS_sink = P_sink * (0 - rowsum(dO * O))
         acc = lse.dtype
@@ -258,14 +267,17 @@ def _plan_masks(path_len: int, batch: int, q_len: int, positions, key_end, windo
     return path_mask, PartMask(causal=True, key_end=key_end, q_pos=positions, k_pos=positions, window=window)
 
 
-def _make_plan(query, path_key, key, *, scale, positions, key_end, window, softcap, chain) -> _Plan:
-    """Plan the parts and pick each part's kernel from `chain`."""
+def _make_plan(query, path_key, key, *, scale, positions, key_end, window, softcap, chain, spans=None) -> _Plan:
+    """Plan the parts and pick each part's kernel from `chain` (each span's, for shared rows)."""
     path_len = 0 if path_key is None else path_key.shape[2]
     batch, _, q_len, _ = query.shape
     path_mask, own_mask = _plan_masks(path_len, batch, q_len, positions, key_end, window, query.device)
     path_kernel = None if path_mask is None else _pick(chain, query, path_key, path_mask, softcap)
     own_kernel = _pick(chain, query, key, own_mask, softcap)
-    return _Plan(path_mask, own_mask, scale, softcap, path_kernel, own_kernel)
+    own_spans = None
+    if spans is not None:
+        own_spans = plan_spans(spans, own_mask, query, key, lambda q, k, mask: _pick(chain, q, k, mask, softcap))
+    return _Plan(path_mask, own_mask, scale, softcap, path_kernel, own_kernel, own_spans)
 
 
 def _two_part(query, path_key, path_value, key, value, *, sinks, chain, **options):
@@ -386,6 +398,7 @@ def two_part_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    spans: tuple[tuple[tuple[int, int, bool], ...], ...] | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Attention of new tokens over `[path keys ; their row's own keys]`, the path stored once.
@@ -407,6 +420,11 @@ def two_part_attention(
         sinks (`torch.Tensor` of shape `(n_heads,)`, *optional*): attention sinks (GPT-OSS's `s_aux`): head `h`'s
             softmax denominator gains `exp(sinks[h])` for every query, as if each query also saw a key of logit
             `sinks[h]` and value zero. Differentiable (the sinks' gradient is returned).
+        spans (`tuple`, *optional*): packed rows only (with `key_end`): per row, `(lo, hi, tree)` column ranges that
+            tile it in order and that no key is visible across (the subtrees of a shared row, and its padding); the
+            own part then runs span by span (causal within a span, with the span's `key_end` when `tree`), so a row
+            holding several subtrees side by side computes no pair between them. The result is the same; only the
+            work differs. Ignored by `"sdpa"`.
         backend (`str`, *optional*, defaults to `"auto"`): one of [`BACKENDS`].
 
     Returns:
@@ -417,4 +435,7 @@ def two_part_attention(
     name = resolve_backend(backend, query.device)
     if path_key is not None and path_key.shape[2] == 0:
         path_key = path_value = None
+    if spans is not None and name in _CHAINS:
+        check_spans(spans, query.shape[0], query.shape[2], key_end)
+        options["spans"] = spans
     return _BACKENDS[name](query, path_key, path_value, key, value, **options)

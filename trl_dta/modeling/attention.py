@@ -76,17 +76,20 @@ class AttentionContext:
             `positions`: key `j` of a row is visible to the row's columns `j .. key_end[j] - 1` (pre-order intervals,
             see `kernels.masks`; the path's keys are visible to every token).
         backend (`str`, *optional*, defaults to `"sdpa"`): the attention backend, one of `kernels.BACKENDS`.
+        spans (`tuple`, *optional*): shared rows (several subtrees side by side, `engine/rows.py`): per row, the
+            `(lo, hi, tree)` column ranges no key is visible across (`kernels.two_part_attention`).
     """
 
-    __slots__ = ("stack", "record", "calls", "positions", "key_end", "backend")
+    __slots__ = ("stack", "record", "calls", "positions", "key_end", "spans", "backend")
 
     def __init__(self, stack: KVStack, positions: torch.Tensor | None = None, key_end: torch.Tensor | None = None,
-                 backend: str = "sdpa"):
+                 backend: str = "sdpa", spans: tuple | None = None):
         self.stack = stack
         self.record: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.calls = 0
         self.positions = positions
         self.key_end = key_end
+        self.spans = spans
         self.backend = backend
 
     def __repr__(self) -> str:
@@ -151,7 +154,8 @@ def dta_attention(
     with torch.autocast(query.device.type, enabled=False):  # the kernels run in their inputs' dtype, as SDPA's do
         out = two_part_attention(query, path_key, path_value, key, value, scaling=scaling,
                                  positions=dta_ctx.positions, key_end=dta_ctx.key_end, sliding_window=sliding_window,
-                                 softcap=softcap, sinks=s_aux, backend=dta_ctx.backend)  # (batch, n_heads, length, D)
+                                 softcap=softcap, sinks=s_aux, spans=dta_ctx.spans,
+                                 backend=dta_ctx.backend)  # (batch, n_heads, length, D)
     return out.transpose(1, 2).contiguous(), None  # two-part backends: already (batch, length, ...) in memory
 
 

@@ -82,12 +82,15 @@ class DTAArguments:
             "forwarded together, with the prompt's keys/values shared, up to this many tokens per forward."
         },
     )
-    dta_max_pack_tokens: int = field(
-        default=1024,
+    dta_max_pack_tokens: int | None = field(
+        default=None,
         metadata={
-            "help": "A subtree of the prefix tree with at most this many tokens (e.g. a group of short multi-turn "
-            "branches) runs as one tree-masked row of a batched forward instead of segment by segment: fewer, larger "
-            "forward/backward calls, at the price of attention over the whole row. `0` walks every segment."
+            "help": "Tree rows: a branching subtree of the prefix tree (e.g. a group of short multi-turn branches) "
+            "may run as one tree-masked row of a batched forward instead of walked: fewer, larger forward/backward "
+            "calls, at the price of attention over the whole row. `None` lets the engine's cost model decide from "
+            "the model's shape and device (on a GPU it packs, on a CPU it mostly walks); an int packs every "
+            "branching subtree of at most that many tokens; `0` packs none (and no row holds two subtrees side by "
+            "side). Chains (leaves, an episode's per-turn rows) always run as one causal row each."
         },
     )
     dta_max_graph_tokens: int | None = field(
@@ -251,7 +254,7 @@ class DTAArguments:
         self.dta_block_size = check_int("dta_block_size", self.dta_block_size, minimum=1)
         self.dta_max_batch_tokens = check_int("dta_max_batch_tokens", self.dta_max_batch_tokens, minimum=1)
         self.dta_max_pack_tokens = check_int("dta_max_pack_tokens", self.dta_max_pack_tokens, minimum=0,
-                                             hint="0 walks every segment")
+                                             allow_none=True, hint="None lets the cost model decide, 0 packs none")
         self.dta_max_graph_tokens = check_int("dta_max_graph_tokens", self.dta_max_graph_tokens, minimum=0,
                                               allow_none=True, hint="None keeps every graph")
         self.dta_min_compression = check_float("dta_min_compression", self.dta_min_compression, minimum=0.0,

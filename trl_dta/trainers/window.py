@@ -21,7 +21,8 @@ the two-pass path, the router loss's coefficient) and writes the [`WindowResult`
   micro-batches; tokens / tree tokens).
 - `dta/micro_batches_per_forest`: micro-batches in the forest.
 - `dta/forward_tokens`: tokens the engine actually forwarded (block recompute and the two-pass path's no-grad first
-  pass included).
+  pass included); `dta/padded_tokens`: the same with the rows' padding (what the model computed); `dta/forwards`:
+  the engine's model calls (each one forward and, in training, its backward).
 - `dta/peak_memory_mb`: peak allocated memory of the forest on CUDA; elsewhere the process's peak resident set.
 - `dta/idle_batches` (lockstep strategies: the per-layer schedules of FSDP2 and ZeRO-3): row batches this rank ran
   without work so that its layers' collectives pair with the other ranks'.
@@ -241,8 +242,7 @@ def run_window(engine: DTAEngine, context: WindowContext, strategy) -> WindowRes
         with context.autocast(), strategy.engine_call(context.model, True) as lockstep:
             out = engine.forward_backward(forest.tree, forest.objective(terms), entropy=True, router_loss=router_loss,
                                           lockstep=lockstep, **run)
-        forward_tokens, idle, aux = out.stats["forward_tokens"], out.stats["idle_batches"], out.router_aux
-        stats = out.stats
+        passes, aux = [out.stats], out.router_aux
     else:
         with context.autocast(), strategy.engine_call(context.model, False) as lockstep:
             out = engine.logprobs(forest.tree, entropy=True, lockstep=lockstep, **run)
@@ -250,9 +250,7 @@ def run_window(engine: DTAEngine, context: WindowContext, strategy) -> WindowRes
         with context.autocast(), strategy.engine_call(context.model, True) as lockstep:
             second = engine.forward_backward(forest.tree, surrogate, entropy=entropy, router_loss=router_loss,
                                              lockstep=lockstep, **run)
-        forward_tokens = out.stats["forward_tokens"] + second.stats["forward_tokens"]
-        idle, aux = out.stats["idle_batches"] + second.stats["idle_batches"], second.router_aux
-        stats = second.stats
+        passes, aux = [out.stats, second.stats], second.router_aux
     logps, entropies = forest.split(out.logps, out_device), forest.split(out.entropies, out_device)
     seconds = time.perf_counter() - start  # the engine's work; the per-micro-batch trees below are metrics only
     for k, step in enumerate(forest.steps):
@@ -261,11 +259,13 @@ def run_window(engine: DTAEngine, context: WindowContext, strategy) -> WindowRes
         micro_steps[step] = MicroStep(forest.batches[k], logps[k], entropies[k], compression, aux_k)
     tree = forest.tree
     metrics = {"dta/compression_ratio": tree.compression_ratio, "dta/tokens": float(tree.n_tokens),
-               "dta/tree_tokens": float(tree.n_tree_tokens), "dta/forward_tokens": float(forward_tokens)}
+               "dta/tree_tokens": float(tree.n_tree_tokens)}
+    for key in ("forward_tokens", "padded_tokens", "forwards"):  # both passes of the two-pass path
+        metrics[f"dta/{key}"] = float(sum(stats[key] for stats in passes))
     if strategy.lockstep:
-        metrics["dta/idle_batches"] = float(idle)
+        metrics["dta/idle_batches"] = float(sum(stats["idle_batches"] for stats in passes))
     if (table := forest.table) is not None:
-        metrics["dta/images"], metrics["dta/image_rows"] = float(stats.get("images", 0)), float(table.image_rows)
+        metrics["dta/images"], metrics["dta/image_rows"] = float(passes[-1].get("images", 0)), float(table.image_rows)
     metrics["dta/micro_batches_per_forest"] = float(len(forest.steps))
     metrics["dta/peak_memory_mb"] = peak_memory_mb(context.device)
     return WindowResult(micro_steps, forest, seconds, metrics)
