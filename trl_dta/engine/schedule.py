@@ -27,14 +27,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# The fixed cost of one model call (a forward and its backward), which makes a schedule of many small forwards
-# slower than its FLOPs say: about 124 aten ops per decoder layer plus 200 (a profile of the walk, forward and
-# backward), each costing a launch and its Python dispatch. Per device: (seconds per op, FLOP/s of the matmuls), the
-# op cost as measured on this project's CPU and as a CUDA launch plus dispatch, the rates as reached by this
-# project's CPU benchmarks (one thread of an AVX-512 core) and a bf16 H100/H200 at ~40% of its peak. Only the ratio
-# matters: it turns the call into the FLOPs that could run in its time.
+# The fixed cost of one model call (a forward and its backward), which makes a schedule of many small forwards slower
+# than its FLOPs say: about 124 aten ops per decoder layer plus 200 (a profile of the walk, forward and backward), each
+# a launch and its Python dispatch, and the parameters' traffic: every weight read in the forward and again in the
+# backward, and its gradient written (`3 x 4` bytes per float32 parameter, whatever the call's length). Per device:
+# (seconds per op, bytes/s of that traffic, FLOP/s of the matmuls), per thread on a CPU. Measured on this project's
+# CPU (one AVX-512 thread; a forward+backward of 1 token against 64 and 256): SmolLM2-135M's call costs what 55 of its
+# tokens cost (this model: 38), the 4-layer benchmark model's 41 (this model: 73). A CUDA launch plus dispatch, an
+# H100/H200's HBM and its bf16 matmuls at ~40% of peak: SmolLM2's call costs ~12,600 tokens there. The call is
+# converted into the forward FLOPs a training token costs in that time (training: 3 forwards' FLOPs per token).
 OPS_PER_LAYER, OPS_PER_CALL = 124, 200
-CALL_COST = {"cpu": (10e-6, 5e10), "cuda": (5e-6, 4e14)}
+TRAIN_FLOPS = 3
+CALL_COST = {"cpu": (10e-6, 8e9, 1e11), "cuda": (5e-6, 3e12, 4e14)}
 
 
 @dataclass(frozen=True)
@@ -65,11 +69,13 @@ class RowCost:
     @classmethod
     def from_shape(cls, shape, device_type: str = "cpu", threads: int = 1) -> RowCost:
         """The cost model of a model shape (`trl_dta.flops.ModelShape`) on a device type (`"cpu"`, `"cuda"`; others
-        are priced as CUDA), with `threads` CPU threads running the matmuls."""
-        seconds, rate = CALL_COST.get(device_type, CALL_COST["cuda"])
+        are priced as CUDA), with `threads` CPU threads running the matmuls ([`CALL_COST`])."""
+        op_seconds, bandwidth, rate = CALL_COST.get(device_type, CALL_COST["cuda"])
         if device_type == "cpu":
-            rate *= max(threads, 1)
-        call = (OPS_PER_LAYER * shape.num_layers + OPS_PER_CALL) * seconds * rate
+            rate, bandwidth = rate * max(threads, 1), bandwidth * max(threads, 1)
+        params = shape.linear_flops_per_token / 2 + shape.vocab_size * shape.hidden_size  # weights a call touches
+        seconds = (OPS_PER_LAYER * shape.num_layers + OPS_PER_CALL) * op_seconds + 3 * 4 * params / bandwidth
+        call = seconds * rate / TRAIN_FLOPS
         return cls(float(shape.linear_flops_per_token), float(max(shape.attention_flops_per_key, 1)), call)
 
     def forward(self, rows: int, width: int, path: int, causal: bool) -> float:
