@@ -1,11 +1,11 @@
-"""The measuring steps of the GPU check (`benchmarks/gpu_check.sh`); each appends its rows to `<out>/<step>.csv` the
+"""The measuring steps of the GPU check (`benchmarks/gpu/check.sh`); each appends its rows to `<out>/<step>.csv` the
 moment they exist, so a run stopped at any point keeps every finished row.
 
 ```
-python -m benchmarks.gpu_bench throughput --shape qwen3-1.7b --out DIR      # methods x workloads, bf16 autocast
-python -m benchmarks.gpu_bench trainer --shape qwen3-0.6b --out DIR         # GRPOTrainer vs DTAGRPOTrainer
-python -m benchmarks.gpu_bench prefix-memory --shape qwen3-1.7b --out DIR   # one long prompt, 4 / 32 / 128 siblings
-python -m benchmarks.gpu_bench summary --out DIR                            # summary.md and throughput.png
+python -m benchmarks.gpu.bench throughput --shape qwen3-1.7b --out DIR      # methods x workloads, bf16 autocast
+python -m benchmarks.gpu.bench trainer --shape qwen3-0.6b --out DIR         # GRPOTrainer vs DTAGRPOTrainer
+python -m benchmarks.gpu.bench prefix-memory --shape qwen3-1.7b --out DIR   # one long prompt, 4 / 32 / 128 siblings
+python -m benchmarks.gpu.bench summary --out DIR                            # summary.md and throughput.png
 ```
 
 `--dry-run`: CPU, a tiny model and small sizes, the same files, columns, methods and workloads (`summary --dry-run`
@@ -25,7 +25,8 @@ against the per-sequence oracle (the same model on each row alone) before they a
 `oracle_err`); the DTA rows carry the correctness step's verdict on their backend (`checked`).
 
 Workloads: `tau2-airline` (per-turn rows of real airline episodes, `workloads.tau2_airline`) and the GRPO batch
-`grpo-p1024-g16-c256`. One worker process per method (`common.Worker`; a fork server on CUDA) builds the model and its
+`grpo-p1024-g16-c256` (`plan.py`: what each step runs). One worker process per method (`harness.isolation.Worker`; a
+fork server on CUDA) builds the model and its
 AdamW state once, then per workload runs one untimed warm-up step (Triton compilation, cuBLAS selection, the
 allocator's pools) and `STEPS` timed steps (CUDA events), the same number for every method; the best step is kept
 (the median beside it). Peak
@@ -34,13 +35,13 @@ a result (an error row); the worker goes on with the next workload. Ratios per w
 over `dense-ckpt`'s: the seed's 8.31x is against this baseline), `vs_trl_tree`, `vs_sparse` (over `sparse-flex`: the
 seed's 1.70x was against a packed mask), `vs_dense`.
 
-**Deadlines.** `--deadline` (epoch seconds; `gpu_check.sh` passes each step's own end, also as
+**Deadlines.** `--deadline` (epoch seconds; `check.sh` passes each step's own end, also as
 `GPU_CHECK_STEP_DEADLINE`): a method whose worker would start too late, or does not answer before it, gets a row whose
 `error` starts with `skipped:` and the step goes on. `GPU_CHECK_SLOW_S` (seconds) makes every method sleep that long
 before its first workload: the dry run's rehearsal of a slow step (`GPU_CHECK_SLOW_S=100 bash
-benchmarks/gpu_check.sh --dry-run --only throughput-1.7b` shows the skipped rows).
+benchmarks/gpu/check.sh --dry-run --only throughput-1.7b` shows the skipped rows).
 
-**Trainer** (`trainer.csv`): `benchmarks.bench_trainer.measure`, TRL's `GRPOTrainer` (`trl+ckpt`) and
+**Trainer** (`trainer.csv`): `suites.trainer_steps.measure`, TRL's `GRPOTrainer` (`trl+ckpt`) and
 `DTAGRPOTrainer` (`dta+ckpt`) with TRL's defaults (bf16 autocast, gradient checkpointing, micro-batches of 8) on the
 GRPO batch: whole optimizer steps, generation excluded; `vs_trl`.
 
@@ -52,7 +53,6 @@ once): peak memory, `mem_vs_first` (over the same method's at 4 siblings).
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
 import math
 import os
@@ -61,101 +61,31 @@ from pathlib import Path
 
 import torch
 
-from trl_dta.flops import ModelShape, get_model_shape, ideal_ratio
+from trl_dta.flops import ModelShape, ideal_ratio
 
-from . import common, workloads
-
-METHODS = ("dense-ckpt", "dta-torch", "dta-triton", "trl-tree", "sparse-flex", "dense")
-ORACLE_CHECKED = ("trl-tree", "sparse-flex")  # the DTA backends are checked by the correctness step
-BACKEND_OF = {"dta-torch": "torch", "dta-triton": "triton", "dta-flash": "flash"}
-WORKLOADS = ("tau2-airline", "grpo-p1024-g16-c256")
-TRAINER_METHODS = ("trl+ckpt", "dta+ckpt")
-PREFIX_METHODS = ("dta-sdpa", "dta-torch", "dta-triton")
-PRECISION = "bf16-autocast"
-STEPS = 2  # timed steps per workload, the same for every method
-
-COLUMNS = ["step", "workload", "method", "model_shape", "precision", "device", "n_sequences", "n_tokens",
-           "n_tree_tokens", "compression_ratio", "ideal_ratio", "warmup_s", "step_s", "median_step_s", "steps",
-           "tokens_per_s", "vs_dense_ckpt", "vs_trl_tree", "vs_sparse", "vs_dense", "vs_trl", "peak_mem_mb",
-           "mem_vs_dense_ckpt", "mem_vs_trl", "mem_vs_first", "loss", "micro_batches", "forwards", "forward_tokens",
-           "padded_tokens", "attention",
-           "oracle_ok", "oracle_err", "checked", "description", "error"]
-# The dry run's model: the real model's name with a `dry-` prefix, tiny dimensions.
-DRY_DIMS = dict(hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                vocab_size=512)
-
-
-def shape_of(name: str, dry_run: bool) -> ModelShape:
-    """The model shape a step runs: the named one, or in a dry run a tiny one named `dry-<name>`."""
-    if not dry_run:
-        return get_model_shape(name)
-    d = DRY_DIMS
-    return ModelShape(d["hidden_size"], d["intermediate_size"], d["num_layers"], d["num_heads"], d["num_kv_heads"],
-                      d["head_dim"], d["vocab_size"], name=f"dry-{name}")
-
-
-def grid_workloads(dry_run: bool, vocab_size: int) -> list[workloads.Workload]:
-    """`WORKLOADS` at the GPU sizes (tau2: 1 task x 4 episodes, 36 per-turn rows, ~205K tokens, 24x; GRPO: 16 x
-    1,280 tokens, 4x), or the dry run's (tau2: 2 episodes, 3 turns each, a 48-token shared prefix; GRPO at 1/32)."""
-    if dry_run:
-        return [workloads.tau2_airline(1, 2, vocab_size, prefix_tokens=48, max_turns=3),
-                workloads.grpo(1024, 16, 256, scale=1 / 32, vocab_size=vocab_size)]
-    return [workloads.tau2_airline(1, 4, vocab_size), workloads.grpo(1024, 16, 256, vocab_size=vocab_size)]
-
-
-def prefix_workloads(dry_run: bool, vocab_size: int) -> list[workloads.Workload]:
-    prompt, completion, siblings = (128, 4, (2, 8)) if dry_run else (4096, 32, (4, 32, 128))
-    out = []
-    for n in siblings:
-        w = workloads.grpo(prompt, n, completion, vocab_size=vocab_size)
-        w.name = f"prefix-p{prompt}-g{n}-c{completion}"
-        out.append(w)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------- rows
-
-
-def append_row(path: Path, row: dict) -> None:
-    """Append one row (`COLUMNS`, missing values empty) to `path`, writing the header first for a new file."""
-    new = not path.exists()
-    with open(path, "a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-        if new:
-            writer.writeheader()
-        writer.writerow({k: common._fmt(row.get(k)) for k in COLUMNS})
-
-
-def read_rows(path: Path) -> list[dict]:
-    return common.read_csv(path) if path.exists() else []
-
-
-def _ratio(a, b):
-    return a / b if a and b else None
-
-
-def fill_ratios(row: dict, done: list[dict]) -> dict:
-    """The row's ratios against the reference rows among `done` of its step, workload and model (the latest, after
-    a rerun)."""
-    def ref(method):
-        return next((r for r in reversed(done) if r["method"] == method and r["workload"] == row["workload"]
-                     and r["model_shape"] == row["model_shape"] and r.get("tokens_per_s")), None)
-
-    for key, method in (("vs_dense_ckpt", "dense-ckpt"), ("vs_trl_tree", "trl-tree"), ("vs_sparse", "sparse-flex"),
-                        ("vs_dense", "dense"), ("vs_trl", "trl+ckpt")):
-        other = ref(method)
-        row[key] = _ratio(row.get("tokens_per_s"), other and other["tokens_per_s"])
-    for key, method in (("mem_vs_dense_ckpt", "dense-ckpt"), ("mem_vs_trl", "trl+ckpt")):
-        other = ref(method)
-        row[key] = _ratio(row.get("peak_mem_mb"), other and other.get("peak_mem_mb"))
-    if row.get("step") == "prefix-memory":  # over the same method's run at the fewest siblings
-        first = next((r for r in done if r["method"] == row["method"] and r["model_shape"] == row["model_shape"]
-                      and r.get("peak_mem_mb")), None)
-        row["mem_vs_first"] = _ratio(row.get("peak_mem_mb"), first and first["peak_mem_mb"]) if first else 1.0
-    return row
-
-
-# ---------------------------------------------------------------------------------------------------- grid runs
+from .. import workloads
+from ..harness.cli import log, set_threads
+from ..harness.isolation import Worker, run_isolated
+from ..harness.memory import PeakMemory
+from ..harness.models import build_model, make_loss_fn, make_optimizer, parse_dtype
+from ..harness.oracle import ORACLE_TOL, oracle_error, per_sequence_logps
+from ..suites.providers import PROVIDERS, TRL_MICRO_BATCH_SIZE, MethodConfig, accounting
+from ..suites.trainer_steps import measure
+from .plan import (
+    BACKEND_OF,
+    METHODS,
+    ORACLE_CHECKED,
+    PRECISION,
+    PREFIX_METHODS,
+    STEPS,
+    TRAINER_METHODS,
+    append_row,
+    fill_ratios,
+    grid_workloads,
+    prefix_workloads,
+    read_rows,
+    shape_of,
+)
 
 
 class _Timer:
@@ -185,29 +115,27 @@ class GridRun:
     """One method on one model in a worker process: the model and AdamW state built once, then `run(workload)`.
 
     Args:
-        method (`str`): a key of `bench_engine.PROVIDERS`.
+        method (`str`): a key of `suites.providers.PROVIDERS`.
         shape ([`~trl_dta.flops.ModelShape`]): the model.
         device (`str`): `"cuda"` or `"cpu"`.
         precision (`str`, *optional*, defaults to `"bf16-autocast"`): float32 parameters under bf16 autocast (TRL's
-            default), or a parameter dtype of `common.DTYPES`.
+            default), or a parameter dtype of `harness.models.DTYPES`.
         threads (`int`, *optional*): torch threads (CPU).
     """
 
     def __init__(self, method: str, shape: ModelShape, device: str, precision: str = PRECISION,
                  threads: int | None = None, seed: int = 0):
-        from .bench_engine import PROVIDERS, TRL_MICRO_BATCH_SIZE, MethodConfig
-
-        common.set_threads(threads)
+        set_threads(threads)
         self.method, self.shape, self.device, self.precision = method, shape, device, precision
         self.autocast = precision == "bf16-autocast"
-        dtype = torch.float32 if self.autocast else common.parse_dtype(precision)
+        dtype = torch.float32 if self.autocast else parse_dtype(precision)
         torch.manual_seed(seed)
-        self.model = common.build_model(shape, dtype, device, seed=seed)
-        self.optimizer = common.make_optimizer(self.model)
+        self.model = build_model(shape, dtype, device, seed=seed)
+        self.optimizer = make_optimizer(self.model)
         # `dense` and `dense-ckpt`: TRL's micro-batch of 8 padded rows; the tree methods: the whole tree in one row
         self.provider = PROVIDERS[method](self.model, MethodConfig(micro_batch_size=TRL_MICRO_BATCH_SIZE))
         self.cuda = device.startswith("cuda")
-        self.mem = common.PeakMemory(device)
+        self.mem = PeakMemory(device)
 
     @staticmethod
     def pid() -> int:
@@ -221,23 +149,12 @@ class GridRun:
         return out
 
     def _accounting(self, stats: dict, n_rows: int) -> dict:
-        """Micro-batches, model calls, forwarded and padded tokens, the attention run (`bench_engine.accounting`)."""
-        from .bench_engine import accounting
-
+        """Micro-batches, model calls, forwarded and padded tokens, the attention run (`providers.accounting`)."""
         return accounting(self.provider, stats, n_rows)
 
     def _oracle(self, seqs) -> list[torch.Tensor]:
         """The per-sequence oracle's log-probs (each row alone, no padding) in this run's precision."""
-        from .baselines.sparse import _torch_logprobs
-
-        head, out = self.model.get_output_embeddings(), []
-        with torch.no_grad(), torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16,
-                                             enabled=self.autocast):
-            for s in seqs:
-                ids = s.to(self.device)[None]
-                hidden = self.model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
-                out.append(_torch_logprobs(hidden, head.weight, head.bias, ids[0, 1:], 1.0).float().cpu())
-        return out
+        return per_sequence_logps(self.model, seqs, self.device, self.autocast)
 
     def run(self, workload: workloads.Workload, steps: int = STEPS) -> dict:
         """(`ORACLE_CHECKED` methods: the oracle's log-probs), one warm-up step (checked against them), then `steps`
@@ -248,7 +165,7 @@ class GridRun:
                    device=self.device, n_sequences=tree.n_sequences, n_tokens=tree.n_tokens,
                    n_tree_tokens=tree.n_tree_tokens, compression_ratio=tree.compression_ratio,
                    ideal_ratio=ideal_ratio(tree, self.shape), description=workload.description)
-        loss_fn = common.make_loss_fn(len(workload.seqs), tree.n_tokens)
+        loss_fn = make_loss_fn(len(workload.seqs), tree.n_tokens)
         seqs = workload.seqs
         self.mem.reset()
         times, out = [], None
@@ -259,8 +176,6 @@ class GridRun:
                 first = self._step(seqs, loss_fn)
             row["warmup_s"] = warm.seconds
             if reference is not None:
-                from .oracle import ORACLE_TOL, oracle_error
-
                 row["oracle_err"] = oracle_error(first.logps, reference)
                 row["oracle_ok"] = int(row["oracle_err"] <= ORACLE_TOL["bf16" if self.autocast else self.precision])
             row.update(self._accounting(first.stats, len(seqs)))
@@ -317,7 +232,7 @@ def run_methods(step: str, methods, grid, shape: ModelShape, device: str, path: 
                 append_row(path, _skipped(step, w, method, shape, "no time left before the deadline"))
             continue
         try:
-            worker = common.Worker(GridRun, method, shape, device, precision, threads, timeout=left)
+            worker = Worker(GridRun, method, shape, device, precision, threads, timeout=left)
         except RuntimeError as e:
             why = str(e).splitlines()[0]
             why = "not started before the step's deadline" if "timed out" in why else "worker failed: " + why
@@ -347,7 +262,7 @@ def run_methods(step: str, methods, grid, shape: ModelShape, device: str, path: 
                 fill_ratios(row, done)
                 done.append(row)
                 append_row(path, row)
-                common.log(_line(row))
+                log(_line(row))
         finally:
             if worker is not None:
                 worker.close()
@@ -386,14 +301,12 @@ def prefix_memory(args) -> None:
                        args.steps)
     for r in rows:
         if r.get("mem_vs_first"):
-            common.log(f"   {r['workload']:22s} {r['method']:11s} peak {r['peak_mem_mb']:8.0f} MB "
+            log(f"   {r['workload']:22s} {r['method']:11s} peak {r['peak_mem_mb']:8.0f} MB "
                        f"({r['mem_vs_first']:.2f}x of its fewest siblings)")
 
 
 def trainer(args) -> None:
     """`GRPOTrainer` vs `DTAGRPOTrainer` with TRL's defaults on the GRPO batch (whole optimizer steps)."""
-    from .bench_trainer import measure
-
     shape = shape_of(args.shape, args.dry_run)
     w = grid_workloads(args.dry_run, shape.vocab_size)[1]
     prompt_len, group = w.params["prompt_len"], w.params["group"]
@@ -406,7 +319,7 @@ def trainer(args) -> None:
             append_row(path, _skipped("trainer", w, method, shape, "no time left before the deadline"))
             continue
         try:
-            row = common.run_isolated(measure, w, prompt_len, group, method, shape, args.device, "bf16", 8,
+            row = run_isolated(measure, w, prompt_len, group, method, shape, args.device, "bf16", 8,
                                       args.steps, args.threads, timeout=left)
             row.update(step="trainer", precision="bf16-autocast (TRL's bf16=True)", description=w.description,
                        steps=args.steps)
@@ -416,18 +329,18 @@ def trainer(args) -> None:
         fill_ratios(row, done)
         done.append(row)
         append_row(path, row)
-        common.log(_line(row))
+        log(_line(row))
 
 
 def _announce(step, shape, grid):
     for w in grid:
         tree = w.tree()
-        common.log(f"== {step} {shape.name}: {w.name}: {tree.n_sequences} rows, {tree.n_tokens} tokens, "
+        log(f"== {step} {shape.name}: {w.name}: {tree.n_sequences} rows, {tree.n_tokens} tokens, "
                    f"{tree.n_tree_tokens} tree tokens ({tree.compression_ratio:.1f}x) [{w.description}]")
 
 
 def summary(args) -> None:
-    from .gpu_summary import summary as write_summary
+    from .summary import summary as write_summary
 
     write_summary(args.out, [tuple(pair.split("=", 1)) for pair in args.expect], args.dry_run)
 
@@ -457,7 +370,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    # Run from the importable module, so that the worker classes pickle as `benchmarks.gpu_bench.*`, not `__main__.*`.
-    from benchmarks.gpu_bench import main as _main
+    # Run from the importable module, so that the worker classes pickle as `benchmarks.gpu.bench.*`, not `__main__.*`.
+    from benchmarks.gpu.bench import main as _main
 
     _main()

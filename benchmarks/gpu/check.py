@@ -1,11 +1,11 @@
-"""The checking steps of `benchmarks/gpu_check.sh`: the environment, per-backend engine correctness, and the dry run's
+"""The checking steps of `benchmarks/gpu/check.sh`: the environment, per-backend engine correctness, and the dry run's
 stand-in for the GPU machine's Python image.
 
 ```
-python -m benchmarks.gpu_check env                       # versions, the GPU, which attention backends run here
-python -m benchmarks.gpu_check correctness --out DIR     # every backend vs the float64 oracle: correctness.csv
-python -m benchmarks.gpu_check device-image DIR          # the dry run: DIR = this environment's packages that the
-                                                         # GPU machine's image has (benchmarks/gpu_image.txt)
+python -m benchmarks.gpu.check env                       # versions, the GPU, which attention backends run here
+python -m benchmarks.gpu.check correctness --out DIR     # every backend vs the float64 oracle: correctness.csv
+python -m benchmarks.gpu.check device-image DIR          # the dry run: DIR = this environment's packages that the
+                                                         # GPU machine's image has (benchmarks/gpu/image.txt)
 ```
 
 **Correctness.** Per model family (Qwen2: GQA; Qwen3: q/k norms; Mistral: sliding window; Gemma 2: soft-capping and
@@ -49,7 +49,7 @@ FAMILIES = ("qwen2", "qwen3", "mistral", "gemma2")
 FLOAT32_SOFTMAX = {"gemma2"}  # eager attention with a float32 softmax: no float64 oracle
 COLUMNS = ["family", "backend", "max_pack_tokens", "precision", "logp_err", "grad_err", "dense_logp_err",
            "dense_grad_err", "logp_ratio", "grad_ratio", "bar", "ok", "device"]
-# Carried to the GPU machine as wheels (benchmarks/gpu_requirements.txt): the versions the package is tested with.
+# Carried to the GPU machine as wheels (benchmarks/gpu/requirements.txt): the versions the package is tested with.
 REQUIRED = {"transformers": "5.24", "trl": "1.16"}
 # Imported by the env step: every baseline row needs them (TRL's fused head imports `trl.trainer.utils`, which pulls
 # in datasets (pyarrow, fsspec) and peft), so a version mismatch on the device image fails here, in seconds.
@@ -218,9 +218,11 @@ def _cases(family: str, backends: list[str], dry_run: bool):
 def check_family(family: str, backends: list[str], dry_run: bool, path: Path) -> list[dict]:
     """Every case of `family` (see the module docstring): one row each, printed and appended to `path` (CSV, its
     header already written) as it is measured."""
-    from benchmarks import common, workloads
     from tests.bounds import max_sharing
     from tests.conftest import use_input_dtype_norms
+
+    from .. import workloads
+    from ..harness.models import make_loss_fn
 
     device = device_of(dry_run)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -232,7 +234,7 @@ def check_family(family: str, backends: list[str], dry_run: bool, path: Path) ->
     w = workloads.multi_turn(n_tasks=2, group=4, turns=2, distinct=(2, 4), vocab_size=exact.config.vocab_size,
                              **sizes)
     seqs = [s.to(device) for s in w.seqs]
-    loss_fn = common.make_loss_fn(len(seqs), w.n_tokens)
+    loss_fn = make_loss_fn(len(seqs), w.n_tokens)
     ref = _dense(exact, seqs, loss_fn, autocast=False)
     n = (sum(lp.numel() for lp in ref[0]), sum(g.numel() for g in ref[1].values()))
     sharing = max_sharing(seqs)
@@ -257,7 +259,7 @@ def check_family(family: str, backends: list[str], dry_run: bool, path: Path) ->
 
 def correctness(args) -> bool:
     """`check_family` for every family, `--jobs` of them side by side (each compiles its own Triton variants)."""
-    from benchmarks import common
+    from ..harness.isolation import start_isolated
 
     backends = backends_here(device_of(args.dry_run))
     jobs = args.jobs or (1 if args.dry_run else len(FAMILIES))
@@ -267,7 +269,7 @@ def correctness(args) -> bool:
         path.write_text(",".join(COLUMNS) + "\n")
     ok = True
     for start in range(0, len(FAMILIES), jobs):
-        running = [common.start_isolated(check_family, family, backends, args.dry_run, path, isolate=jobs > 1)
+        running = [start_isolated(check_family, family, backends, args.dry_run, path, isolate=jobs > 1)
                    for family in FAMILIES[start:start + jobs]]
         for family, worker in zip(FAMILIES[start:start + jobs], running):
             try:
@@ -296,9 +298,9 @@ def _append(path: Path, row: dict) -> None:
 
 def device_image(args) -> bool:
     """Link into `args.dir` the packages of this environment that the GPU machine's image has (a name per line in
-    `benchmarks/gpu_image.txt`), with their metadata, and what this environment's versions of them require (their
+    `benchmarks/gpu/image.txt`), with their metadata, and what this environment's versions of them require (their
     versions can differ from the image's), never the packages the GPU machine gets as wheels
-    (`benchmarks/gpu_requirements.txt`). A `.pth` file naming that folder then gives a fresh environment the GPU
+    (`benchmarks/gpu/requirements.txt`). A `.pth` file naming that folder then gives a fresh environment the GPU
     machine's packages, so that the dry run's install must supply the rest exactly as there."""
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
@@ -307,7 +309,7 @@ def device_image(args) -> bool:
         return [line.split("==")[0].strip() for line in Path(path).read_text().splitlines()
                 if line.strip() and not line.startswith("#")]
 
-    carried = {canonicalize_name(n) for n in names_in(Path(args.image_list).with_name("gpu_requirements.txt"))}
+    carried = {canonicalize_name(n) for n in names_in(Path(args.image_list).with_name("requirements.txt"))}
     todo, seen, linked = list(names_in(args.image_list)), set(), []
     dest = Path(args.dir)
     dest.mkdir(parents=True, exist_ok=True)
@@ -346,7 +348,7 @@ def main(argv=None) -> None:
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: check the script, not the GPU")
     p.add_argument("--out", default="benchmarks/results/gpu-check", help="correctness: where correctness.csv goes")
     p.add_argument("--jobs", type=int, default=None, help="correctness: families side by side (GPU: all, CPU: 1)")
-    p.add_argument("--image-list", default=str(Path(__file__).with_name("gpu_image.txt")))
+    p.add_argument("--image-list", default=str(Path(__file__).with_name("image.txt")))
     args = p.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.dry_run and not torch.cuda.is_available():
@@ -356,7 +358,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    # Run from the importable module, so that `check_family` pickles as `benchmarks.gpu_check.check_family`.
-    from benchmarks.gpu_check import main as _main
+    # Run from the importable module, so that `check_family` pickles as `benchmarks.gpu.check.check_family`.
+    from benchmarks.gpu.check import main as _main
 
     _main()

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# The GPU check in one unattended command (issue 23): on a lent H200, within GPU_CHECK_BUDGET seconds (480 by default)
+# The GPU check in one unattended command: on a lent H200, within GPU_CHECK_BUDGET seconds (480 by default)
 # including the install, every step under its own time limit and the whole under the budget's deadline.
 #
-#   bash benchmarks/gpu_check.sh                   # on the GPU machine, from a checkout carrying .whl/
-#   bash benchmarks/gpu_check.sh --dry-run         # on a CPU: the same steps at tiny sizes, installed the same way
-#   GPU_CHECK_BUDGET=200 bash benchmarks/gpu_check.sh --only throughput-1.7b   # a rerun of some steps (versions,
+#   bash benchmarks/gpu/check.sh                   # on the GPU machine, from a checkout carrying .whl/
+#   bash benchmarks/gpu/check.sh --dry-run         # on a CPU: the same steps at tiny sizes, installed the same way
+#   GPU_CHECK_BUDGET=200 bash benchmarks/gpu/check.sh --only throughput-1.7b   # a rerun of some steps (versions,
 #                                                  # install, env and summary always run)
 #
 # Steps, in priority order (a step that cannot finish before the deadline is skipped, with a line saying so; each
 # measuring step gets its own end as its deadline, GPU_CHECK_STEP_DEADLINE, so that a method that does not fit writes
 # a `skipped` row instead of being killed; GPU_CHECK_SLOW_S=SECONDS makes every throughput method sleep first: the
-# rehearsal of a slow step, e.g. `GPU_CHECK_SLOW_S=100 bash benchmarks/gpu_check.sh --dry-run --only throughput-1.7b`):
+# rehearsal of a slow step, e.g. `GPU_CHECK_SLOW_S=100 bash benchmarks/gpu/check.sh --dry-run --only throughput-1.7b`):
 #   versions     nvidia-smi, Python, the packages already there; no CUDA: stop (without --dry-run)
-#   install      the wheels of .whl/ (benchmarks/gpu_wheels.sh, run where pip works) for the pins of
-#                benchmarks/gpu_requirements.txt, `pip install --no-index --no-deps --target`; never builds flash-attn
+#   install      the wheels of .whl/ (benchmarks/gpu/wheels.sh, run where pip works) for the pins of
+#                benchmarks/gpu/requirements.txt, `pip install --no-index --no-deps --target`; never builds flash-attn
 #                (a flash-attn wheel put into .whl/ is installed and used; else its backend is skipped, said so)
 #   env          versions again, from where each package is imported; the GPU; the attention backends; imports
 #                datasets, trl.trainer.utils and peft (what every baseline row needs): a mismatch fails in seconds
@@ -32,7 +32,7 @@
 # triton_variants.csv, summary.md, throughput.png; each CSV row is appended the moment it is measured.
 # Exit status: 0 when every step that ran passed.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 REPO=$PWD
 DRY=""
 ONLY=""
@@ -40,7 +40,7 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) DRY="--dry-run" ;;
         --only) ONLY=",$2,"; shift ;;
-        *) echo "usage: bash benchmarks/gpu_check.sh [--dry-run] [--only STEP,STEP]"; exit 2 ;;
+        *) echo "usage: bash benchmarks/gpu/check.sh [--dry-run] [--only STEP,STEP]"; exit 2 ;;
     esac
     shift
 done
@@ -104,10 +104,10 @@ PY
 }
 
 # The dry run's stand-in for the GPU machine: a fresh environment holding only the packages of its image that exist
-# here (benchmarks/gpu_image.txt), so that the carried wheels must supply the rest.
+# here (benchmarks/gpu/image.txt), so that the carried wheels must supply the rest.
 dry_environment() {
     rm -rf "$WORK" && mkdir -p "$WORK"
-    python3 -m benchmarks.gpu_check device-image "$WORK/image/site-packages" || return 1
+    python3 -m benchmarks.gpu.check device-image "$WORK/image/site-packages" || return 1
     python3 -m venv --without-pip "$WORK/venv" || return 1  # this environment's pip installs into it (below)
     local site_dir
     site_dir=$("$WORK/venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
@@ -117,12 +117,12 @@ dry_environment() {
 }
 
 install() {
-    ls .whl/*.whl >/dev/null 2>&1 || { echo "no .whl/: run 'bash benchmarks/gpu_wheels.sh' where pip works and carry .whl"; return 1; }
+    ls .whl/*.whl >/dev/null 2>&1 || { echo "no .whl/: run 'bash benchmarks/gpu/wheels.sh' where pip works and carry .whl"; return 1; }
     rm -rf "$SITE"
     local extra=()
     ls .whl/flash_attn-*.whl >/dev/null 2>&1 && extra=(flash-attn) && echo "flash-attn wheel found: installing it"
     $PIP install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --disable-pip-version-check \
-        --target "$SITE" --find-links .whl -r benchmarks/gpu_requirements.txt "${extra[@]}" || return 1
+        --target "$SITE" --find-links .whl -r benchmarks/gpu/requirements.txt "${extra[@]}" || return 1
     ls "$SITE"
 }
 
@@ -140,10 +140,10 @@ fi
 export PYTHONPATH="$REPO:$SITE"
 [ -d "$SITE" ] || { echo "FAIL: nothing installed into $SITE"; exit 1; }
 
-step env 60 $PY -m benchmarks.gpu_check env $DRY || { echo "FAIL: the environment is not usable (above)"; exit 1; }
-step correctness 90 $PY -m benchmarks.gpu_check correctness --out "$OUT" $DRY
-step throughput-1.7b 200 $PY -m benchmarks.gpu_bench throughput --shape qwen3-1.7b --out "$OUT" --deadline "$DEADLINE" $DRY
-step throughput-0.6b 80 $PY -m benchmarks.gpu_bench throughput --shape qwen3-0.6b --out "$OUT" --deadline "$DEADLINE" $DRY
+step env 60 $PY -m benchmarks.gpu.check env $DRY || { echo "FAIL: the environment is not usable (above)"; exit 1; }
+step correctness 90 $PY -m benchmarks.gpu.check correctness --out "$OUT" $DRY
+step throughput-1.7b 200 $PY -m benchmarks.gpu.bench throughput --shape qwen3-1.7b --out "$OUT" --deadline "$DEADLINE" $DRY
+step throughput-0.6b 80 $PY -m benchmarks.gpu.bench throughput --shape qwen3-0.6b --out "$OUT" --deadline "$DEADLINE" $DRY
 if [ -n "$DRY" ]; then  # the CPU cases run in the main test suite: here only the collection and the CUDA skips
     step kernels 60 $PY -m pytest -q -p no:cacheprovider tests/attention_kernels --ignore=tests/attention_kernels/test_triton_compile.py -k cuda
 else
@@ -151,19 +151,19 @@ else
     step kernels 90 $PY -m pytest -q -p no:cacheprovider tests/attention_kernels --ignore=tests/attention_kernels/test_triton_compile.py \
         -k "cuda and not cpu" $XDIST
 fi
-step trainer 70 $PY -m benchmarks.gpu_bench trainer --shape qwen3-0.6b --out "$OUT" --deadline "$DEADLINE" $DRY
-step prefix-memory 50 $PY -m benchmarks.gpu_bench prefix-memory --shape qwen3-1.7b --out "$OUT" --deadline "$DEADLINE" $DRY
+step trainer 70 $PY -m benchmarks.gpu.bench trainer --shape qwen3-0.6b --out "$OUT" --deadline "$DEADLINE" $DRY
+step prefix-memory 50 $PY -m benchmarks.gpu.bench prefix-memory --shape qwen3-1.7b --out "$OUT" --deadline "$DEADLINE" $DRY
 if [ -n "$DRY" ]; then
-    step variants 60 env -u TRITON_INTERPRET $PY -m benchmarks.triton_variants --arch 90 --dtype bf16 --max-variants 3 \
+    step variants 60 env -u TRITON_INTERPRET $PY -m benchmarks.gpu.triton_variants --arch 90 --dtype bf16 --max-variants 3 \
         --jobs 1 --out "$OUT/triton_variants.csv"
 else
-    step variants 40 $PY -m benchmarks.triton_variants --arch 90 --dtype bf16 fp16 --jobs "$(nproc)" \
+    step variants 40 $PY -m benchmarks.gpu.triton_variants --arch 90 --dtype bf16 fp16 --jobs "$(nproc)" \
         --out "$OUT/triton_variants.csv"
 fi
 EXPECT=(throughput=qwen3-1.7b throughput=qwen3-0.6b trainer=qwen3-0.6b prefix-memory=qwen3-1.7b)
 if wanted summary; then  # always, also past the deadline: it only reads the CSVs
     echo "=== summary ($(date +%T))"
-    timeout 30 $PY -m benchmarks.gpu_bench summary --out "$OUT" --expect "${EXPECT[@]}" $DRY || status=1
+    timeout 30 $PY -m benchmarks.gpu.bench summary --out "$OUT" --expect "${EXPECT[@]}" $DRY || status=1
 fi
 echo "gpu_check done in $(($(date +%s) - START))s, status $status; files in $OUT:"
 ls -l "$OUT"

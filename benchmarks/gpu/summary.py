@@ -1,34 +1,12 @@
 """The GPU check's summary: `summary.md` (every table of the run), `throughput.png`, and the dry run's completeness
-check (every planned row measured without an error, every column there). `python -m benchmarks.gpu_bench summary`."""
+check (every planned row measured without an error, every column there). `python -m benchmarks.gpu.bench summary`."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from . import common
-from .gpu_bench import (
-    COLUMNS,
-    DRY_DIMS,
-    METHODS,
-    PREFIX_METHODS,
-    TRAINER_METHODS,
-    WORKLOADS,
-    fill_ratios,
-    prefix_workloads,
-    read_rows,
-    shape_of,
-)
-
-FILE_OF = {"throughput": "throughput.csv", "trainer": "trainer.csv", "prefix-memory": "prefix_memory.csv"}
-
-
-def planned(step: str, dry_run: bool) -> tuple[list[str], tuple[str, ...]]:
-    """The workloads and methods a step measures."""
-    if step == "throughput":
-        return list(WORKLOADS), METHODS
-    if step == "trainer":
-        return [WORKLOADS[1]], TRAINER_METHODS
-    return [w.name for w in prefix_workloads(dry_run, DRY_DIMS["vocab_size"])], PREFIX_METHODS
+from ..reporting.results import markdown_table
+from .plan import COLUMNS, FILE_OF, METHODS, fill_ratios, planned, read_rows, shape_of
 
 
 def check(out: Path, expect: list[tuple[str, str]], dry_run: bool) -> list[str]:
@@ -56,7 +34,7 @@ def check(out: Path, expect: list[tuple[str, str]], dry_run: bool) -> list[str]:
 
 
 def _table(rows, columns) -> str:
-    return common.markdown_table(rows, columns) if rows else "(no rows)"
+    return markdown_table(rows, columns) if rows else "(no rows)"
 
 
 def summary(out: Path, expect: list[tuple[str, str]], dry_run: bool) -> None:

@@ -2,19 +2,20 @@
 stack frame and shared memory per kernel x dtype x head_dim x mask flags x GPU architecture.
 
 ```
-python -m benchmarks.triton_variants                         # sm_90 + sm_80, bf16 + fp16: results/triton-variants.csv
-python -m benchmarks.triton_variants --arch 90 --dtype bf16 --jobs 2 --out /tmp/variants.csv
-python -m benchmarks.triton_variants --selection ci   # what tests/attention_kernels/test_triton_compile.py compiles
+python -m benchmarks.gpu.triton_variants                     # sm_90 + sm_80, bf16 + fp16: results/triton-variants.csv
+python -m benchmarks.gpu.triton_variants --arch 90 --dtype bf16 --jobs 2 --out /tmp/variants.csv
+python -m benchmarks.gpu.triton_variants --selection ci   # what tests/attention_kernels/test_triton_compile.py compiles
 ```
 
 A variant is what Triton compiles once: a kernel (`forward`, `dkdv`, `dq`), the input dtype (CUDA runs half precision
-only, `triton_parts._supports`), the padded head dim (`triton_parts.block_d`: 64 or 128 for the head dims served, up
-to `MAX_HEAD_DIM`), and the constexpr mask flags (`CAUSAL`, `HAS_END`, `HAS_WINDOW`, `SOFTCAP`). The flag combinations
-are not listed by hand: they are those `two_part._plan_masks` produces for the path and the own part over every kind of
-call (causal rows or packed rows, with or without a path, windows that cut into the path or not, soft-capping or not).
-Tiles, warps and stages are `triton_parts.launch_config`'s. `triton.compile` with `GPUTarget("cuda", arch, 32)` runs
-Triton's whole pipeline and its bundled `ptxas` (whose `-v` log gives registers and spills); shared memory is
-Triton's own allocation, against the architecture's per-block limit (opt-in: sm_90 232,448 B, sm_80 166,912 B).
+only, `triton_parts.TRITON.supports`), the padded head dim (`triton_parts.block_d`: 64 or 128 for the head dims served,
+up to `MAX_HEAD_DIM`), and the constexpr mask flags (`CAUSAL`, `HAS_END`, `HAS_WINDOW`, `SOFTCAP`). The flag
+combinations are not listed by hand: they are those `masks.plan_masks` produces for the path and the own part over
+every kind of call (causal rows or packed rows, with or without a path, windows that cut into the path or not,
+soft-capping or not). Tiles, warps and stages are `triton_parts.launch_config`'s. `triton.compile` with
+`GPUTarget("cuda", arch, 32)` runs Triton's whole pipeline and its bundled `ptxas` (whose `-v` log gives registers and
+spills); shared memory is Triton's own allocation, against the architecture's per-block limit (opt-in: sm_90 232,448 B,
+sm_80 166,912 B).
 
 Runs with `TRITON_INTERPRET` unset (the kernels must be `triton.jit` functions, not interpreted ones); every variant
 is compiled afresh (`TRITON_ALWAYS_COMPILE=1`), `--jobs` at a time.
@@ -50,8 +51,8 @@ def reachable_flags() -> list[tuple[bool, bool, bool, bool]]:
     """`(CAUSAL, HAS_END, HAS_WINDOW, SOFTCAP)` of every part `two_part` can plan (path and own part)."""
     import torch
 
+    from trl_dta.kernels.masks import plan_masks
     from trl_dta.kernels.triton_parts import mask_flags
-    from trl_dta.kernels.two_part import _plan_masks
 
     batch, q_len = 2, 4
     packed = (torch.arange(q_len).expand(batch, q_len), torch.arange(1, q_len + 1).expand(batch, q_len))
@@ -59,7 +60,7 @@ def reachable_flags() -> list[tuple[bool, bool, bool, bool]]:
     for path_len, rows, window, softcap in itertools.product((0, 10), ("causal", "packed"), (None, 2, 100),
                                                              (None, 1.0)):
         positions, key_end = (None, None) if rows == "causal" else (packed[0] + path_len, packed[1])
-        path_mask, own_mask = _plan_masks(path_len, batch, q_len, positions, key_end, window, "cpu")
+        path_mask, own_mask = plan_masks(path_len, batch, q_len, positions, key_end, window, "cpu")
         for mask in (path_mask, own_mask):
             if mask is not None:
                 found.add(tuple(mask_flags(mask, softcap).values()))
@@ -88,8 +89,7 @@ def compile_variant(arch: int, kernel: str, dtype: str, head_dim: int, flags) ->
 
     from trl_dta.kernels import triton_parts
 
-    fn = {"forward": triton_parts._forward_kernel, "dkdv": triton_parts._dkdv_kernel,
-          "dq": triton_parts._dq_kernel}[kernel]
+    fn = triton_parts.jit_kernel(kernel)
     config = triton_parts.launch_config(kernel, head_dim)
     row = dict(arch=arch, kernel=kernel, dtype=dtype, head_dim=head_dim, flags=flags_name(flags),
                block_m=config.block_m, block_n=config.block_n, num_warps=config.num_warps,
@@ -146,7 +146,7 @@ def run(archs=(90, 80), dtypes=("bf16", "fp16"), jobs: int | None = None, out: s
         selection: str = "all", max_variants: int | None = None, log=print) -> list[dict]:
     """Compile every variant (`jobs` processes); write the rows to `out` (CSV) and return them."""
     if os.environ.get("TRITON_INTERPRET") == "1":
-        raise SystemExit("benchmarks.triton_variants compiles the kernels: run it with TRITON_INTERPRET unset.")
+        raise SystemExit("benchmarks.gpu.triton_variants compiles the kernels: run it with TRITON_INTERPRET unset.")
     # Inherited by the spawned compile processes: every variant compiled afresh (a cached kernel skips ptxas, whose
     # log is the register report), ptxas's log printed, and Triton 3.9's fp-fusion default said explicitly.
     os.environ.update(TRITON_ALWAYS_COMPILE="1", TRITON_DUMP_PTXAS_LOG="1")

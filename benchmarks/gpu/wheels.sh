@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Downloads into .whl/ (ignored by git, carried to the GPU machine by the device tool's `carry`) exactly the wheels the
-# GPU machine lacks (benchmarks/gpu_requirements.txt): for its Python (cp312, manylinux x86-64) and for this
+# GPU machine lacks (benchmarks/gpu/requirements.txt): for its Python (cp312, manylinux x86-64) and for this
 # machine's Python (the dry run installs the same pins from the same folder). Checks that the working tree plus the
 # wheels stay under the 64 MiB a device call carries.
-#   bash benchmarks/gpu_wheels.sh
+#   bash benchmarks/gpu/wheels.sh
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
-REQ=benchmarks/gpu_requirements.txt
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+REQ=benchmarks/gpu/requirements.txt
 mkdir -p .whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

@@ -4,7 +4,7 @@ one CSV, and a plot of both reward curves and of where a step's time went.
     python recipes/grpo.py --model_name_or_path smollm2-135m-instruct --output_dir outputs/grpo-smollm2
     python recipes/grpo.py --model_name_or_path smollm2-135m-instruct --dta_enabled false \\
         --output_dir outputs/grpo-smollm2-dense
-    python benchmarks/grpo_runs.py outputs/grpo-smollm2 outputs/grpo-smollm2-dense \\
+    python benchmarks/reporting/grpo_runs.py outputs/grpo-smollm2 outputs/grpo-smollm2-dense \\
         --out benchmarks/results/grpo-smollm2
 
 Reads each run's `trainer_state.json` (the recipe writes it into `output_dir`; the dense run may be left out);

@@ -1,6 +1,6 @@
-"""Attention-op benchmark (issue 11): peak memory and time of one forward+backward of `two_part_attention` per backend.
+"""Attention-op benchmark: peak memory and time of one forward+backward of `two_part_attention` per backend.
 
-The case of the issue: B sibling completions of 32 tokens under one 4096-token prompt, Qwen2-shaped attention
+The prefix-memory case: B sibling completions of 32 tokens under one 4096-token prompt, Qwen2-shaped attention
 (hidden 256 = 4 heads x 64, 2 KV heads, 4 layers, fp32). Per layer the path's keys/values `(1, 2, 4096, 64)` are
 autograd leaves (as the engine's stack frames are) and the rows' queries/keys/values are fresh leaves; one step is the
 attention of all layers forward, then backward of `sum(out * weight)`. The concatenating reference (`sdpa`) saves
@@ -13,8 +13,8 @@ above the allocation at that point; time is the median step after a warm-up step
 `"auto"` table (`trl_dta.kernels.AUTO`) was chosen: run it for the device at hand.
 
 ```
-python -m benchmarks.bench_attention                          # CPU: sdpa vs torch, 4 / 32 / 128 siblings
-python -m benchmarks.bench_attention --device cuda --dtype bf16 --backends sdpa torch flash triton
+python -m benchmarks.suites.bench_attention                          # CPU: sdpa vs torch, 4 / 32 / 128 siblings
+python -m benchmarks.suites.bench_attention --device cuda --dtype bf16 --backends sdpa torch flash triton
 ```
 
 Writes `benchmarks/results/attention[-<tag>].csv` (columns in `COLUMNS`).
@@ -32,7 +32,11 @@ import torch
 
 from trl_dta.kernels import BACKENDS
 
-from . import common
+from ..harness.cli import log, set_threads
+from ..harness.isolation import Worker
+from ..harness.memory import PeakMemory
+from ..harness.models import parse_dtype
+from ..reporting.results import markdown_table
 
 COLUMNS = ["backend", "device", "dtype", "layers", "n_heads", "n_kv_heads", "head_dim", "prompt", "completion",
            "siblings", "peak_mem_mb", "fwd_bwd_s", "path_kernel", "own_kernel", "error"]
@@ -44,9 +48,9 @@ class _Bench:
     def __init__(self, backend: str, siblings: int, args):
         from trl_dta.kernels import part_kernels
 
-        common.set_threads(args.threads)
+        set_threads(args.threads)
         self.backend = backend
-        self.device, dtype = torch.device(args.device), common.parse_dtype(args.dtype)
+        self.device, dtype = torch.device(args.device), parse_dtype(args.dtype)
         gen = torch.Generator(device="cpu").manual_seed(0)
 
         def leaf(*shape):
@@ -64,7 +68,7 @@ class _Bench:
         first = self.layers[0]
         self.kernels = part_kernels(first["query"].transpose(1, 2), first["path_key"], first["key"].transpose(1, 2),
                                     backend=backend)
-        self.peak = common.PeakMemory(args.device)
+        self.peak = PeakMemory(args.device)
         self.peak_mb = None
 
     def step(self) -> float:
@@ -102,7 +106,7 @@ def measure(backends, siblings: int, args) -> list[dict]:
     workers, times, errors = {}, {}, {}
     for backend in backends:
         try:
-            workers[backend] = common.Worker(_Bench, backend, siblings, args, timeout=1800)
+            workers[backend] = Worker(_Bench, backend, siblings, args, timeout=1800)
             times[backend] = []
         except RuntimeError as e:
             errors[backend] = str(e).splitlines()[0]
@@ -123,7 +127,7 @@ def measure(backends, siblings: int, args) -> list[dict]:
             row["fwd_bwd_s"] = round(statistics.median(times[backend][1:] or times[backend]), 4)  # 1st: warm-up
             workers[backend].close()
         rows.append(row)
-        common.log(" ".join(f"{k}={row.get(k, '')}" for k in COLUMNS))
+        log(" ".join(f"{k}={row.get(k, '')}" for k in COLUMNS))
     return rows
 
 
@@ -149,8 +153,8 @@ def main(argv=None) -> None:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
-    common.log(f"wrote {out}")
-    print(common.markdown_table(rows, ["backend", "siblings", "peak_mem_mb", "fwd_bwd_s", "path_kernel",
+    log(f"wrote {out}")
+    print(markdown_table(rows, ["backend", "siblings", "peak_mem_mb", "fwd_bwd_s", "path_kernel",
                                        "own_kernel", "error"]))
 
 

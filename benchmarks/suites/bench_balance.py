@@ -29,7 +29,8 @@ compression at about `1 - (K - 1) * 2000 / tree_tokens`; a global batch twice as
 Metrics: `imbalance` = max / mean rank cost; `compression` = sum of rank tokens / sum of rank tree tokens;
 `compression_kept` = compression / single-forest compression. Target: imbalance <= 1.05 with compression_kept >= 0.95.
 
-Run from the repository root: `python -m benchmarks.bench_balance` (writes benchmarks/results/balance.csv and .png).
+Run from the repository root: `python -m benchmarks.suites.bench_balance` (writes benchmarks/results/balance.csv and
+.png).
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.baselines.lpt import lpt_partition
 from trl_dta.balance import CostModel, Partition, forest_stats, partition, partition_for_ranks
 from trl_dta.tree import PrefixTree
+
+from ..baselines.lpt import lpt_partition
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CSV_COLUMNS = ["workload", "k", "method", "imbalance", "compression", "compression_kept", "max_cost", "mean_cost"]

@@ -1,17 +1,17 @@
-"""Hybrid models through DTA (issue 22): a Qwen3.5-shaped model (three Gated DeltaNet layers per full-attention
+"""Hybrid models through DTA: a Qwen3.5-shaped model (three Gated DeltaNet layers per full-attention
 layer) and a Nemotron-H-shaped one (Mamba2 / MLP / Mamba2 / attention blocks) beside the attention-only Qwen2-shaped
 model of the same width and depth (`bench-cpu-quick`: hidden 256, 4 layers, vocab 4096), on the GRPO and
 multi-turn workloads of `bench_engine --quick`: dense micro-batches (one row, and TRL's 8 padded rows) against
 `DTAEngine.forward_backward`, one training step (+ AdamW), each (model, workload, method) in its own process
-(`bench_engine.run_grid`: steps interleaved, the best kept, peak memory above the model and optimizer).
+(`grid.run_grid`: steps interleaved, the best kept, peak memory above the model and optimizer).
 
 The packed tree-mask peer (`sparse`) cannot run a recurrence over a tree and is left out; so is DTA's packing of
 small subtrees, which the engine does not use for hybrids (`engine/core.py`): the hybrids' DTA walks every internal
 segment, batching only leaves.
 
 ```
-python -m benchmarks.bench_hybrid              # CPU, ~10 min on 2 cores
-python -m benchmarks.bench_hybrid --rounds 1 --workloads grpo
+python -m benchmarks.suites.bench_hybrid              # CPU, ~10 min on 2 cores
+python -m benchmarks.suites.bench_hybrid --rounds 1 --workloads grpo
 ```
 
 Writes `benchmarks/results/hybrid[-<tag>].csv` and `.png`: per model and workload, DTA's speed-up over the faster
@@ -25,8 +25,11 @@ from pathlib import Path
 
 from trl_dta.flops import MODEL_SHAPES, get_model_shape
 
-from . import common, workloads
-from .bench_engine import PROVIDERS, MethodConfig, run_grid
+from .. import workloads
+from ..harness.cli import log, names
+from ..reporting.results import markdown_table, write_csv
+from .grid import run_grid
+from .providers import PROVIDERS, MethodConfig
 
 SHAPES = ("bench-cpu-quick", "bench-qwen3.5-quick", "bench-nemotron-h-quick")
 FAMILY = {"bench-cpu-quick": "attention (Qwen2)", "bench-qwen3.5-quick": "Gated DeltaNet (Qwen3.5)",
@@ -76,22 +79,22 @@ def plot(rows: list[dict], png_path) -> Path:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default=",".join(SHAPES), type=common.names(MODEL_SHAPES, "model shape"))
-    p.add_argument("--workloads", default=",".join(WORKLOADS), type=common.names(WORKLOADS, "workload"))
-    p.add_argument("--methods", default="dense,dense-mb8,dta", type=common.names(PROVIDERS, "method"))
+    p.add_argument("--shapes", default=",".join(SHAPES), type=names(MODEL_SHAPES, "model shape"))
+    p.add_argument("--workloads", default=",".join(WORKLOADS), type=names(WORKLOADS, "workload"))
+    p.add_argument("--methods", default="dense,dense-mb8,dta", type=names(PROVIDERS, "method"))
     p.add_argument("--rounds", type=int, default=2, help="timed steps per method, interleaved (best kept)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run (1: no OpenMP oversubscription)")
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
     rows = []
     for shape in args.shapes:
-        common.log(f"#### {shape}: {FAMILY.get(shape, shape)}")
+        log(f"#### {shape}: {FAMILY.get(shape, shape)}")
         loads = grid(args.workloads, get_model_shape(shape).vocab_size)
         rows += run_grid(loads, args.methods, shape, "cpu", "fp32", MethodConfig(), rounds=args.rounds,
                          threads=args.threads)  # ratios per shape: each model against its own dense runs
     name = "hybrid" + (f"-{args.tag}" if args.tag else "")
-    path = common.write_csv(rows, f"benchmarks/results/{name}.csv")
-    print(common.markdown_table(rows, COLUMNS))
+    path = write_csv(rows, f"benchmarks/results/{name}.csv")
+    print(markdown_table(rows, COLUMNS))
     print(f"\nwrote {path} and {plot(rows, path.with_suffix('.png'))}")
 
 

@@ -15,8 +15,8 @@ under an address-space limit so that the re-prefill path cannot take the shared 
   `CopyingConstructor` (parsed once, copied).
 
 ```
-python -m benchmarks.bench_rollouts --quick                      # every domain, 1 task x 2 episodes x 2 turns
-python -m benchmarks.bench_rollouts --domains mock standin --tasks 2 --episodes 4 --turns 3
+python -m benchmarks.suites.bench_rollouts --quick                      # every domain, 1 task x 2 episodes x 2 turns
+python -m benchmarks.suites.bench_rollouts --domains mock standin --tasks 2 --episodes 4 --turns 3
 ```
 
 Writes `benchmarks/results/rollouts[-quick].csv`, `.md` and `.png` (forward tokens and generation seconds per domain
@@ -33,7 +33,10 @@ from pathlib import Path
 
 import torch
 
-from . import common
+from ..harness.cli import log, set_threads
+from ..harness.isolation import run_isolated
+from ..harness.memory import PeakMemory
+from ..reporting.results import markdown_table
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DOMAINS = ("standin", "mock", "airline", "retail")
@@ -128,7 +131,7 @@ def run_one(domain_name: str, method: str, tasks: int, episodes: int, turns: int
             sessions.append(self)
 
         episode_module.Tau2Session.__init__ = keep
-    memory = common.PeakMemory("cpu")
+    memory = PeakMemory("cpu")
     memory.reset()
     timings: dict = {}
     torch.manual_seed(0)
@@ -162,20 +165,20 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.quick:
         args.tasks, args.episodes, args.turns, args.turn_tokens = 1, 2, 2, 64
-    common.set_threads(args.threads)
+    set_threads(args.threads)
     rows = []
     for domain in args.domains:
         runs = {}
         for method in args.methods:
-            common.log(f"{domain} {method} ...")
+            log(f"{domain} {method} ...")
             try:
-                runs[method] = common.run_isolated(run_one, domain, method, args.tasks, args.episodes, args.turns,
+                runs[method] = run_isolated(run_one, domain, method, args.tasks, args.episodes, args.turns,
                                                    args.turn_tokens)
             except RuntimeError as error:  # out of memory under the limit, or a crash: a row that says so
                 first = str(error).splitlines()[0][:120]
                 runs[method] = {"domain": domain, "method": method, "tasks": args.tasks, "turns": args.turns,
                                 "turn_tokens": args.turn_tokens, "status": f"failed: {first}"}
-            common.log(f"  {runs[method].get('status')} {runs[method].get('rollout_s')}")
+            log(f"  {runs[method].get('status')} {runs[method].get('rollout_s')}")
         ref, new = runs.get("reprefill"), runs.get("cached")
         same = None
         if ref and new and "ids" in ref and "ids" in new:
@@ -189,9 +192,9 @@ def main(argv: list[str] | None = None) -> None:
     name = "rollouts-quick" if args.quick else "rollouts"
     out = Path(args.out) if args.out else RESULTS / f"{name}.csv"
     _write(rows, out)
-    out.with_suffix(".md").write_text(common.markdown_table(rows, COLUMNS) + "\n")
+    out.with_suffix(".md").write_text(markdown_table(rows, COLUMNS) + "\n")
     _plot(rows, out.with_suffix(".png"))
-    print(common.markdown_table(rows, COLUMNS))
+    print(markdown_table(rows, COLUMNS))
 
 
 def _write(rows: list[dict], path: Path) -> None:

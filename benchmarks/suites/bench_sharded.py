@@ -10,7 +10,7 @@ backward, engine calls in lockstep; `dta-layer-small`: the same with batches of 
 per step and unequal across ranks, so that one rank runs idle batches). The script counts FSDP2's all-gathers and
 reduce-scatters inside the optimizer steps (generation and scoring excluded) and TRL logs each step's time.
 
-    python -m benchmarks.bench_sharded            # writes results/sharded.{csv,png}
+    python -m benchmarks.suites.bench_sharded            # writes results/sharded.{csv,png}
 
 The model: a random-weight Qwen2, `--layers` decoder layers of width `--hidden`, untied embeddings, so FSDP2 holds
 `layers + 2` parameter groups (each layer, the embeddings, the `[final norm, LM head]` tail; the root holds none).

@@ -16,8 +16,8 @@ doubling buffer in `PrefixCache`) are counted for neither. `kv_rows` is that pea
 (`2 x layers x kv_heads x head_dim x dtype size`): the number of cached token rows.
 
 ```
-python -m benchmarks.bench_tree_memory            # P = 1024 and 4096, G = 8 ([2, 2, 2] and [4, 2]), R = 96, tiny model
-python -m benchmarks.bench_tree_memory --prompt-lens 4096 --shapes bench-cpu-quick
+python -m benchmarks.suites.bench_tree_memory    # P = 1024 and 4096, G = 8 ([2, 2, 2] and [4, 2]), R = 96, tiny model
+python -m benchmarks.suites.bench_tree_memory --prompt-lens 4096 --shapes bench-cpu-quick
 ```
 
 Writes `benchmarks/results/tree-memory.csv`, `.md` and `.png` (peak key/value rows per method).
@@ -35,7 +35,9 @@ import torch
 
 from trl_dta.flops import MODEL_SHAPES
 
-from . import common
+from ..harness.cli import log, set_threads
+from ..harness.models import build_model
+from ..reporting.results import markdown_table, write_csv
 from .bench_tree_rollouts import tiny_shape
 
 COLUMNS = ["model_shape", "prompt_len", "group", "branching", "max_completion_length", "method", "peak_kv_bytes",
@@ -87,7 +89,7 @@ def tree(model, prompt: list[int], branching: list[int], completion_len: int, co
 def measure(shape, prompt_len: int, branching: list[int], completion_len: int, seed: int = 0) -> list[dict]:
     from transformers import GenerationConfig
 
-    model = common.build_model(shape, torch.float32, "cpu", seed=seed, max_position_embeddings=2 * prompt_len).eval()
+    model = build_model(shape, torch.float32, "cpu", seed=seed, max_position_embeddings=2 * prompt_len).eval()
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(3, model.config.vocab_size, (prompt_len,), generator=generator).tolist()
     config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=[2],
@@ -111,10 +113,10 @@ def measure(shape, prompt_len: int, branching: list[int], completion_len: int, s
 
 
 def write(rows: list[dict], stem: str) -> None:
-    path = common.write_csv(rows, RESULTS / f"{stem}.csv", COLUMNS)
-    (RESULTS / f"{stem}.md").write_text(common.markdown_table(rows, COLUMNS) + "\n")
+    path = write_csv(rows, RESULTS / f"{stem}.csv", COLUMNS)
+    (RESULTS / f"{stem}.md").write_text(markdown_table(rows, COLUMNS) + "\n")
     plot(rows, RESULTS / f"{stem}.png")
-    common.log(f"wrote {path} (+ .md, .png)")
+    log(f"wrote {path} (+ .md, .png)")
 
 
 def plot(rows: list[dict], png: Path) -> None:
@@ -152,7 +154,7 @@ def main(argv=None) -> None:
                         help="`tiny` or trl_dta.flops names")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
-    common.set_threads(args.threads)
+    set_threads(args.threads)
     rows = []
     for shape in args.shapes:
         for prompt_len in args.prompt_lens:
@@ -160,7 +162,7 @@ def main(argv=None) -> None:
                 case = measure(tiny_shape() if shape == "tiny" else shape, prompt_len,
                                [int(b) for b in branching.split("x")], args.completion_len)
                 for r in case:
-                    common.log(f"{r['model_shape']} P={prompt_len} {r['branching']} {r['method']}: peak "
+                    log(f"{r['model_shape']} P={prompt_len} {r['branching']} {r['method']}: peak "
                                f"{r['kv_rows']:.0f} rows ({r['kv_rows_vs_independent']:.3f} of independent), "
                                f"{r['gen_s']:.1f}s")
                 rows += case

@@ -1,9 +1,9 @@
 """Tree rollouts vs independent sampling: one GRPO step (generation + training) at the same number of completions
 and the same token budget.
 
-Each workload of the GRPO grid (`benchmarks/workloads.py`: prompts of `P` random tokens, `G` completions per prompt,
-`max_completion_length = R`) trains real `DTAGRPOTrainer` steps with real generation from a model with random weights
-(so completions mostly run to the `R`-token budget), by three methods:
+Each workload of the GRPO grid (`benchmarks/workloads/batches.py`: prompts of `P` random tokens, `G` completions per
+prompt, `max_completion_length = R`) trains real `DTAGRPOTrainer` steps with real generation from a model with random
+weights (so completions mostly run to the `R`-token budget), by three methods:
 
 - `trl`: independent sampling (TRL's `generate`) and TRL's dense training (`dta_enabled=False`): what a TRL user runs;
 - `independent`: independent sampling, DTA training (the prompt shared in training only);
@@ -17,8 +17,8 @@ same leaves sampled independently (`gen_tokens_independent`), the training fores
 in the same run. One warm-up step, then `--steps` timed steps (the fastest is reported).
 
 ```
-python -m benchmarks.bench_tree_rollouts --quick            # tiny and bench-cpu-quick models, GRPO grid at 1/8 scale
-python -m benchmarks.bench_tree_rollouts --shapes bench-cpu --scale 0.25
+python -m benchmarks.suites.bench_tree_rollouts --quick     # tiny and bench-cpu-quick models, GRPO grid at 1/8 scale
+python -m benchmarks.suites.bench_tree_rollouts --shapes bench-cpu --scale 0.25
 ```
 
 Writes `benchmarks/results/tree-rollouts[-quick].csv`, `.png` (generation and training seconds per method) and `.md`.
@@ -37,7 +37,10 @@ import torch
 
 from trl_dta.flops import MODEL_SHAPES
 
-from . import common, workloads
+from .. import workloads
+from ..harness.cli import log, set_threads
+from ..harness.models import build_model
+from ..reporting.results import write_csv
 
 METHODS = ("trl", "independent", "tree")
 # children per level by group size: binary splits, the last level taking what is left
@@ -83,10 +86,10 @@ def measure(workload: workloads.Workload, prompt_len: int, group: int, completio
 
     from trl_dta import DTAGRPOConfig, DTAGRPOTrainer
 
-    from .bench_trainer import step_timer
+    from .trainer_steps import step_timer
 
     shape_name = shape if isinstance(shape, str) else shape.name
-    model = common.build_model(shape, torch.float32, "cpu", seed=seed)
+    model = build_model(shape, torch.float32, "cpu", seed=seed)
     model.generation_config.eos_token_id = 2
     model.generation_config.pad_token_id = 0
     tokenizer = word_tokenizer(model.config.vocab_size)
@@ -149,13 +152,13 @@ def fill_ratios(rows: list[dict]) -> list[dict]:
 
 
 def write(rows: list[dict], stem: str) -> None:
-    path = common.write_csv(rows, RESULTS / f"{stem}.csv", COLUMNS)
+    path = write_csv(rows, RESULTS / f"{stem}.csv", COLUMNS)
     shown = COLUMNS[:3] + COLUMNS[9:12] + COLUMNS[13:]  # the markdown table: three significant digits
     table = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
     table += ["| " + " | ".join(_fmt(r.get(k)) for k in shown) + " |" for r in rows]
     (RESULTS / f"{stem}.md").write_text("\n".join(table) + "\n")
     plot(rows, RESULTS / f"{stem}.png")
-    common.log(f"wrote {path} (+ .md, .png)")
+    log(f"wrote {path} (+ .md, .png)")
 
 
 def _fmt(value) -> str:
@@ -209,7 +212,7 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: on a shared, loaded CPU more threads contend and run far slower)")
     args = parser.parse_args(argv)
-    common.set_threads(args.threads)
+    set_threads(args.threads)
     scale = args.scale if args.scale is not None else 0.125
     shapes = args.shapes or ["tiny", "bench-cpu-quick"]
     rows = []
@@ -220,7 +223,7 @@ def main(argv=None) -> None:
             for method in args.methods:
                 row = measure(workload, prompt_len, g, completion_len, method,
                               tiny_shape() if shape == "tiny" else shape, args.steps, args.prompts)
-                common.log(f"{workload.name} {row['model_shape']} {method}: gen {row['gen_s']:.2f}s train "
+                log(f"{workload.name} {row['model_shape']} {method}: gen {row['gen_s']:.2f}s train "
                            f"{row['train_s']:.2f}s gen tokens {row['gen_tokens']:.0f}/"
                            f"{row['gen_tokens_independent']:.0f} forest {row['forest_compression']}")
                 rows.append(row)

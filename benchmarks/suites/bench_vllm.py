@@ -1,5 +1,5 @@
 """Generation with vLLM vs transformers under the DTA trainers: seconds of generation and of the whole step, per
-optimizer step, for the GRPO recipe (`recipes/grpo.py`) at its defaults (issue 32, item 7).
+optimizer step, for the GRPO recipe (`recipes/grpo.py`) at its defaults.
 
 Each run is the recipe as a user starts it, in a process of its own, `--use_vllm true` (TRL's colocated engine, with
 the CPU settings of `trl_dta/generation/vllm_cpu.py` on a CPU) or `--use_vllm false` (transformers' `generate`); the
@@ -9,8 +9,8 @@ attention has no head size 16 (the recipe's default 4 heads); `--model_name_or_p
 pass through after `--`.
 
 ```
-python -m benchmarks.bench_vllm                          # this CPU: 20 steps each, the recipe's defaults
-python -m benchmarks.bench_vllm --steps 20 --tag gpu -- --use_cpu false    # the GPU check (CUDA vLLM installed)
+python -m benchmarks.suites.bench_vllm                          # this CPU: 20 steps each, the recipe's defaults
+python -m benchmarks.suites.bench_vllm --steps 20 --tag gpu -- --use_cpu false    # the GPU check (CUDA vLLM installed)
 ```
 
 Writes `benchmarks/results/vllm-grpo[-TAG].csv` (one row per generation backend) and `.png`. The engine's start

@@ -21,7 +21,7 @@ On CPU the device memory is the resident set: every allocation of 128 KiB or mor
 (`MALLOC_MMAP_THRESHOLD_`), returned to the system when the tensor is freed, so that the resident set follows the live
 tensors rather than what glibc's heap keeps after the repeated gathers and frees of ZeRO-3.
 
-    python -m benchmarks.bench_zero3             # writes results/zero3-memory.csv
+    python -m benchmarks.suites.bench_zero3             # writes results/zero3-memory.csv
 """
 
 from __future__ import annotations

@@ -1,24 +1,24 @@
-"""The benchmark suite: every workload of `benchmarks/workloads.py` x every method, side by side.
+"""The benchmark suite: every workload of `benchmarks/workloads/batches.py` x every method, side by side.
 
 ```
-python -m benchmarks.run --quick        # < 10 min on a 2-core CPU: quick model (hidden 256, 4 layers), quick sizes
-python -m benchmarks.run --full         # bench-cpu model (hidden 512, 8 layers), full sizes (long on a CPU)
-python -m benchmarks.run --full --device cuda --dtype bf16 --model-shape qwen3-1.7b
-python -m benchmarks.run --quick --methods dense,dense-mb8,dta-sdpa,dta   # attention backends side by side
-python -m benchmarks.run --plot benchmarks/results/quick.csv   # redraw a chart from a CSV
+python -m benchmarks.suites.run --quick       # < 10 min on 2 CPU cores: quick model (hidden 256, 4 layers), quick sizes
+python -m benchmarks.suites.run --full        # bench-cpu model (hidden 512, 8 layers), full sizes (long on a CPU)
+python -m benchmarks.suites.run --full --device cuda --dtype bf16 --model-shape qwen3-1.7b
+python -m benchmarks.suites.run --quick --methods dense,dense-mb8,dta-sdpa,dta   # attention backends side by side
+python -m benchmarks.suites.run --plot benchmarks/results/quick.csv   # redraw a chart from a CSV
 ```
 
-Methods (see `bench_engine.PROVIDERS`): `dense` (TRL's GRPO path: padded micro-batches, fused LM head; one row
+Methods (see `providers.PROVIDERS`): `dense` (TRL's GRPO path: padded micro-batches, fused LM head; one row
 per micro-batch unless `--micro-batch-size`), `dense-mb8` (TRL's default micro-batch of 8 padded rows), `dense+ckpt`
 (with HF gradient checkpointing), `sparse` (packed tree mask, `baselines/sparse.py`), `dta`
 (`DTAEngine.forward_backward`, every graph kept, `--dta-attn-backend`: the engine's default `auto`), `dta-lowmem`
 (`max_graph_tokens` budget: recompute) and `dta-<backend>` (`dta` on one attention backend: `dta-sdpa` is the
-concatenating reference, the engine before issue 11; `dta-torch`, `dta-flash`, `dta-triton`). A step is
+concatenating reference, one copy of the path per sibling; `dta-torch`, `dta-flash`, `dta-triton`). A step is
 forward + backward + AdamW step; tokens/s counts raw rollout tokens (`n_tokens`), the same for every method.
 Speed-ups and fractions of ideal are against the faster of `dense` and `dense-mb8` on each workload (`dense_ref`),
-memory ratios against the leaner of them (`common.fill_ratios`).
+memory ratios against the leaner of them (`reporting.results.fill_ratios`).
 
-Outputs: `benchmarks/results/<name>.csv` (columns `common.CSV_COLUMNS`), `<name>.png` (bar chart, separate
+Outputs: `benchmarks/results/<name>.csv` (columns `reporting.results.CSV_COLUMNS`), `<name>.png` (bar chart, separate
 `--plot` step possible) and `<name>.md` (markdown table). `<name>` is `quick`, `full` or `--name`.
 """
 
@@ -32,8 +32,12 @@ from pathlib import Path
 from trl_dta.flops import get_model_shape
 from trl_dta.kernels import BACKENDS
 
-from . import common, workloads
-from .bench_engine import PROVIDERS, MethodConfig, run_grid
+from .. import workloads
+from ..harness.cli import names
+from ..reporting.plots import plot
+from ..reporting.results import markdown_table, write_csv
+from .grid import run_grid
+from .providers import PROVIDERS, MethodConfig
 
 RESULTS = Path("benchmarks/results")
 
@@ -84,7 +88,7 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="fp32", help="fp32, bf16, fp16, fp64")
     p.add_argument("--methods", default="dense,dense-mb8,dense+ckpt,sparse,dta,dta-lowmem",
-                   type=common.names(PROVIDERS, "method"),
+                   type=names(PROVIDERS, "method"),
                    help=f"comma-separated, from {list(PROVIDERS)}")
     p.add_argument("--workloads", default="", help="comma-separated workload names (default: all)")
     p.add_argument("--micro-batch-size", type=int, default=1,
@@ -104,7 +108,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
 
     if args.plot:
-        print(common.plot(args.plot))
+        print(plot(args.plot))
         return
     full = args.full
     cpu = args.device == "cpu"
@@ -129,10 +133,10 @@ def main(argv=None) -> None:
     rows = run_grid(grid, args.methods, shape, args.device, args.dtype, cfg, rounds=args.rounds,
                     isolate=not args.no_isolate, threads=threads)
     elapsed = time.perf_counter() - start
-    csv_path = common.write_csv(rows, RESULTS / f"{name}.csv")
-    png_path = common.plot(csv_path)
-    table = common.markdown_table(rows)
-    command = " ".join(["python -m benchmarks.run", *(sys.argv[1:] if argv is None else argv)])
+    csv_path = write_csv(rows, RESULTS / f"{name}.csv")
+    png_path = plot(csv_path)
+    table = markdown_table(rows)
+    command = " ".join(["python -m benchmarks.suites.run", *(sys.argv[1:] if argv is None else argv)])
     header = f"`{command}`: model {shape}, {args.device}, {args.dtype}, threads {threads}, {elapsed / 60:.1f} min"
 
     md = f"{header}\n\n{table}\n\n{targets_table(rows)}\n"

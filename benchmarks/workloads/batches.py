@@ -13,7 +13,7 @@
   control where a tree method can only lose.
 * **tau2-bench airline** `tau2_airline(tasks, group)`: real agent episodes (gold actions and variants of them, tau2's
   system prompt, tool schemas and database outputs, a real BPE) in the per-turn layout (one row per agent turn, the
-  conversation up to it), read from the token file `tau2_workload.write_token_file` wrote; no tau2 needed.
+  conversation up to it), read from the token file `tau2.write_token_file` wrote; no tau2 needed.
 
 Sibling branches get distinct first tokens, so that the trie's shape (and the compression ratio) is exactly the one
 intended, not blurred by chance collisions of random tokens.
@@ -302,9 +302,9 @@ def tau2_airline(tasks: int = 1, group: int = 4, vocab_size: int = 151936, prefi
         prefix_tokens (`int`, *optional*): keep only the first `prefix_tokens` of the prefix every episode shares
             (system prompt and tools; the tree's shape below it is unchanged): the dry run's small sizes.
         max_turns (`int`, *optional*): only the first `max_turns` agent turns of each episode.
-        path (*optional*): the token file (default `tau2_workload.TOKEN_FILE`).
+        path (*optional*): the token file (default `tau2.TOKEN_FILE`).
     """
-    from .tau2_workload import TOKEN_FILE, read_token_file
+    from .tau2 import TOKEN_FILE, read_token_file
 
     data = read_token_file(path or TOKEN_FILE)
     prefix = data["prefix"]

@@ -15,7 +15,7 @@ dependency of tau2), with the chat template's special tokens added. For training
 are relabelled compactly ([`compact_ids`]): every distinct token id of the batch gets its own small id, so the prefix
 trees (what DTA shares) are exactly those of the real tokenizer.
 
-The GPU check needs no tau2 on its machine: `python -m benchmarks.tau2_workload --write` plays the episodes once here
+The GPU check needs no tau2 on its machine: `python -m benchmarks.workloads.tau2 --write` plays the episodes once here
 and writes their token ids (the real BPE's, all below Qwen3's vocabulary of 151,936) with each agent turn's span to
 `TOKEN_FILE` ([`write_token_file`]); `workloads.tau2_airline` reads it back.
 """
@@ -151,50 +151,6 @@ def workload_stats(domain_name: str, tasks: int, group: int, tokenizer=None) -> 
     return stats, episodes
 
 
-STATS_COLUMNS = ("domain", "tasks", "group", "system_prompt_tokens", "policy_tokens", "turns_per_episode",
-                 "mean_episode_tokens", "gold_reward", "variant_reward", "episode_rows", "episode_tokens",
-                 "episode_compression", "per_turn_rows", "per_turn_tokens", "per_turn_compression")
-
-
-def run_stats(domains, tasks: int, group: int, out: str = "benchmarks/results/tau2-agent-stats.csv") -> list[dict]:
-    """`--agent --stats-only`: the workload numbers of every domain, written as CSV + plot + markdown table."""
-    from . import common
-
-    tokenizer = bpe_chat_tokenizer()
-    rows = []
-    for name in domains:
-        stats, _ = workload_stats(name, tasks, group, tokenizer)
-        common.log(f"   {name:8s} " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                             for k, v in stats.items() if k != "domain"))
-        rows.append(stats)
-    path = common.write_csv(rows, out)
-    _plot_stats(rows, path.with_suffix(".png"))
-    command = f"python -m benchmarks.bench_trainer --agent --stats-only --domain all --agent-tasks {tasks} " \
-              f"--agent-group {group}"
-    path.with_suffix(".md").write_text(f"`{command}`\n\n{common.markdown_table(rows, columns=STATS_COLUMNS)}\n")
-    return rows
-
-
-def _plot_stats(rows, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [r["domain"] for r in rows]
-    x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar([i - 0.2 for i in x], [r["episode_compression"] for r in rows], 0.4, label="episode layout")
-    ax.bar([i + 0.2 for i in x], [r["per_turn_compression"] for r in rows], 0.4, label="per-turn layout")
-    ax.set_xticks(list(x), names)
-    ax.set_ylabel("tokens / tree tokens")
-    ax.set_title(f"tau2 gold-action episodes, {rows[0]['tasks']} tasks x {rows[0]['group']} trials (DeepSeek BPE)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def write_token_file(path: str | Path = TOKEN_FILE, domain_name: str = "airline", tasks: int = 8,
                      group: int = 4) -> dict:
     """Play `group` gold-action variants of the first `tasks` tasks (see [`gold_episodes`]) and write their token ids.
@@ -215,7 +171,7 @@ def write_token_file(path: str | Path = TOKEN_FILE, domain_name: str = "airline"
         "domain": domain_name,
         "tokenizer": "litellm's deepseek_tokenizer.json with TRL's qwen2_5 chat template (bpe_chat_tokenizer)",
         "vocab_size": len(tokenizer),
-        "command": f"python -m benchmarks.tau2_workload --write --domain {domain_name} --tasks {tasks} "
+        "command": f"python -m benchmarks.workloads.tau2 --write --domain {domain_name} --tasks {tasks} "
                    f"--group {group}",
         "prefix": episodes[0].ids[:shared],
         "episodes": [{"task": e.task_id, "variant": i % group, "reward": e.reward.reward, "ids": e.ids[shared:],
