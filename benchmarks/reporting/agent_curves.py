@@ -2,7 +2,7 @@
 `log_history.json` (written to its `--output_dir`), or from the console's `step k/n  reward r ...` lines of a run
 that has none (runs before the recipe wrote it).
 
-    python -m benchmarks.agent_curves --name agent-smollm2 \\
+    python -m benchmarks.reporting.agent_curves --name agent-smollm2 \\
         standin=outputs/agent-standin mock=outputs/agent-mock standin-log=run.log
 
 Writes `benchmarks/results/<name>.csv` (run, step, reward, each `rewards/<f>/mean`, step time and its split) and
