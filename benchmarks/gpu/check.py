@@ -45,7 +45,16 @@ from pathlib import Path
 import torch
 
 FP64_TOL = 1e-10
-FAMILIES = ("qwen2", "qwen3", "mistral", "gemma2")
+# The families checked (model types of `trl_dta.modeling.families.FAMILIES`) and what each exercises beyond GQA:
+# (head_dim, window) -> config fields; a window shorter than the sequences, so that it cuts into the path.
+CASES = {
+    "qwen2": lambda head_dim, window: {},
+    "qwen3": lambda head_dim, window: {},  # q/k norms
+    "mistral": lambda head_dim, window: dict(sliding_window=window),
+    "gemma2": lambda head_dim, window: dict(sliding_window=window, query_pre_attn_scalar=head_dim,
+                                            final_logit_softcapping=30.0, attn_logit_softcapping=50.0),
+}
+FAMILIES = tuple(CASES)
 FLOAT32_SOFTMAX = {"gemma2"}  # eager attention with a float32 softmax: no float64 oracle
 COLUMNS = ["family", "backend", "max_pack_tokens", "precision", "logp_err", "grad_err", "dense_logp_err",
            "dense_grad_err", "logp_ratio", "grad_ratio", "bar", "ok", "device"]
@@ -127,29 +136,25 @@ def env(args) -> bool:
 
 
 def _family_model(family: str, device, tiny: bool):
-    """A small model of `family` in float64 with random weights (perturbed norms, so their gradients matter), the same
-    weights at every call."""
+    """A small model of `family` (a model type of the package's families table, `FAMILIES`) in float64 with random
+    weights (perturbed norms, so their gradients matter), the same weights at every call; the family's own feature
+    switched on (`CASES`)."""
     import transformers
+
+    from trl_dta.modeling.families import family_of
 
     dims = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                 vocab_size=256) if tiny else \
         dict(hidden_size=512, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
              vocab_size=1024)
     common = dict(num_hidden_layers=2, max_position_embeddings=4096, tie_word_embeddings=False, **dims)
-    window = 24 if tiny else 96  # shorter than the sequences, so windows cut into the path
-    configs = {
-        "qwen2": (transformers.Qwen2Config, {}),
-        "qwen3": (transformers.Qwen3Config, {}),
-        "mistral": (transformers.MistralConfig, dict(sliding_window=window)),
-        "gemma2": (transformers.Gemma2Config, dict(sliding_window=window, query_pre_attn_scalar=dims["head_dim"],
-                                                   final_logit_softcapping=30.0, attn_logit_softcapping=50.0)),
-    }
-    cls, extra = configs[family]
-    config = cls(**common, **extra)
+    config = transformers.AutoConfig.for_model(family, **common, **CASES[family](dims["head_dim"], 24 if tiny else 96))
+    if not family_of(config).tested:
+        raise ValueError(f"{family} is not a tested family of trl_dta.modeling.families.FAMILIES")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(
-            config, attn_implementation="eager" if family == "gemma2" else "sdpa")
+            config, attn_implementation="eager" if family in FLOAT32_SOFTMAX else "sdpa")
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
