@@ -17,7 +17,7 @@ import json
 import re
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 _CONSOLE = re.compile(r"step +(\d+)/\d+ +reward ([\d.]+) +compression ([\d.]+)x +step ([\d.]+) s")
 SPLIT = {"step_s": "step_time", "generation_s": "dta/rollout_generation_s", "env_s": "dta/rollout_env_s",
          "reward_s": "dta/rollout_reward_s", "dta_train_s": "dta/step_time"}

@@ -11,6 +11,8 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+# Where the benchmarks write their CSV, PNG and markdown files, whatever the working directory.
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 CSV_COLUMNS = [
     "workload",
     "method",

@@ -26,7 +26,6 @@ import argparse
 import csv
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -36,7 +35,7 @@ from ..harness.cli import log, set_threads
 from ..harness.isolation import Worker
 from ..harness.memory import PeakMemory
 from ..harness.models import parse_dtype
-from ..reporting.results import markdown_table
+from ..reporting.results import RESULTS_DIR, markdown_table
 
 COLUMNS = ["backend", "device", "dtype", "layers", "n_heads", "n_kv_heads", "head_dim", "prompt", "completion",
            "siblings", "peak_mem_mb", "fwd_bwd_s", "path_kernel", "own_kernel", "error"]
@@ -148,7 +147,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tag", default="")
     args = parser.parse_args(argv)
     rows = [row for siblings in args.siblings for row in measure(args.backends, siblings, args)]
-    out = Path(__file__).parent / "results" / f"attention{'-' + args.tag if args.tag else ''}.csv"
+    out = RESULTS_DIR / f"attention{'-' + args.tag if args.tag else ''}.csv"
     with open(out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()

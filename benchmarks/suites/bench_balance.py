@@ -46,8 +46,8 @@ from trl_dta.balance import CostModel, Partition, forest_stats, partition, parti
 from trl_dta.tree import PrefixTree
 
 from ..baselines.lpt import lpt_partition
+from ..reporting.results import RESULTS_DIR
 
-RESULTS = Path(__file__).resolve().parent / "results"
 CSV_COLUMNS = ["workload", "k", "method", "imbalance", "compression", "compression_kept", "max_cost", "mean_cost"]
 VOCAB = 50_000
 
@@ -126,7 +126,7 @@ def rescore(p: Partition, tree: PrefixTree, model: CostModel) -> Partition:
     return Partition(p.parts, stats, costs, p.compression_before)
 
 
-def run(ks=(2, 4, 8, 16), workloads=tuple(WORKLOADS), out_dir: Path = RESULTS) -> list[dict]:
+def run(ks=(2, 4, 8, 16), workloads=tuple(WORKLOADS), out_dir: Path = RESULTS_DIR) -> list[dict]:
     model = CostModel()
     rows = []
     for name in workloads:
@@ -181,7 +181,7 @@ def run(ks=(2, 4, 8, 16), workloads=tuple(WORKLOADS), out_dir: Path = RESULTS) -
     return rows
 
 
-def plot(csv_path: Path = RESULTS / "balance.csv", png_path: Path | None = None) -> Path:
+def plot(csv_path: Path = RESULTS_DIR / "balance.csv", png_path: Path | None = None) -> Path:
     """Imbalance and kept compression against K, one column per workload, one line per method."""
     import matplotlib
 
@@ -226,7 +226,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--k", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
     run(args.k, args.workloads, args.out_dir)
     print(f"plot: {plot(args.out_dir / 'balance.csv')}")

@@ -36,9 +36,8 @@ import torch
 from ..harness.cli import log, set_threads
 from ..harness.isolation import run_isolated
 from ..harness.memory import PeakMemory
-from ..reporting.results import markdown_table
+from ..reporting.results import RESULTS_DIR, markdown_table
 
-RESULTS = Path(__file__).resolve().parent / "results"
 DOMAINS = ("standin", "mock", "airline", "retail")
 METHODS = ("reprefill", "cached")
 COLUMNS = ["domain", "method", "tasks", "episodes", "turns", "turn_tokens", "system_prompt_tokens", "rollout_tokens",
@@ -190,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
             run["same_episodes"] = same
             rows.append(run)
     name = "rollouts-quick" if args.quick else "rollouts"
-    out = Path(args.out) if args.out else RESULTS / f"{name}.csv"
+    out = Path(args.out) if args.out else RESULTS_DIR / f"{name}.csv"
     _write(rows, out)
     out.with_suffix(".md").write_text(markdown_table(rows, COLUMNS) + "\n")
     _plot(rows, out.with_suffix(".png"))

@@ -29,9 +29,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from ..reporting.results import RESULTS_DIR
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 SCRIPT = ROOT / "tests" / "trainers" / "dist_run.py"
-RESULTS = Path(__file__).with_name("results")
 COLUMNS = ["method", "layers", "fsdp_groups", "steps", "all_gathers_per_step", "reduce_scatters_per_step",
            "batches_per_step", "idle_batches_per_step", "step_s", "step_s_ratio_vs_dense", "loadavg"]
 METHODS = {"trl": "dense", "dta": "dta", "dta_walk": "dta-walk", "dta_layer": "dta-layer",
@@ -120,12 +121,12 @@ def main() -> None:
     parser.add_argument("--name", default="sharded")
     args = parser.parse_args()
     rows = [row for layers in args.layers for row in run(layers, args.hidden, args.steps)]
-    RESULTS.mkdir(exist_ok=True)
-    with open(RESULTS / f"{args.name}.csv", "w", newline="") as f:
+    RESULTS_DIR.mkdir(exist_ok=True)
+    with open(RESULTS_DIR / f"{args.name}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
-    plot(rows, RESULTS / f"{args.name}.png")
+    plot(rows, RESULTS_DIR / f"{args.name}.png")
     for row in rows:
         print(", ".join(f"{k}={row[k]:.4g}" if isinstance(row[k], float) else f"{k}={row[k]}" for k in COLUMNS))
 

@@ -37,12 +37,11 @@ from trl_dta.flops import MODEL_SHAPES
 
 from ..harness.cli import log, set_threads
 from ..harness.models import build_model
-from ..reporting.results import markdown_table, write_csv
+from ..reporting.results import RESULTS_DIR, markdown_table, write_csv
 from .bench_tree_rollouts import tiny_shape
 
 COLUMNS = ["model_shape", "prompt_len", "group", "branching", "max_completion_length", "method", "peak_kv_bytes",
            "kv_rows", "kv_rows_vs_independent", "forward_tokens", "gen_s"]
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _row_bytes(model) -> int:
@@ -113,9 +112,9 @@ def measure(shape, prompt_len: int, branching: list[int], completion_len: int, s
 
 
 def write(rows: list[dict], stem: str) -> None:
-    path = write_csv(rows, RESULTS / f"{stem}.csv", COLUMNS)
-    (RESULTS / f"{stem}.md").write_text(markdown_table(rows, COLUMNS) + "\n")
-    plot(rows, RESULTS / f"{stem}.png")
+    path = write_csv(rows, RESULTS_DIR / f"{stem}.csv", COLUMNS)
+    (RESULTS_DIR / f"{stem}.md").write_text(markdown_table(rows, COLUMNS) + "\n")
+    plot(rows, RESULTS_DIR / f"{stem}.png")
     log(f"wrote {path} (+ .md, .png)")
 
 

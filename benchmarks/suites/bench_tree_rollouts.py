@@ -40,7 +40,7 @@ from trl_dta.flops import MODEL_SHAPES
 from .. import workloads
 from ..harness.cli import log, set_threads
 from ..harness.models import build_model
-from ..reporting.results import write_csv
+from ..reporting.results import RESULTS_DIR, write_csv
 
 METHODS = ("trl", "independent", "tree")
 # children per level by group size: binary splits, the last level taking what is left
@@ -51,7 +51,6 @@ COLUMNS = [
     "gen_s", "train_s", "step_s", "gen_speedup_vs_independent", "train_speedup_vs_independent",
     "step_speedup_vs_independent", "step_speedup_vs_trl", "reward", "loadavg",
 ]
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def tiny_shape():
@@ -152,12 +151,12 @@ def fill_ratios(rows: list[dict]) -> list[dict]:
 
 
 def write(rows: list[dict], stem: str) -> None:
-    path = write_csv(rows, RESULTS / f"{stem}.csv", COLUMNS)
+    path = write_csv(rows, RESULTS_DIR / f"{stem}.csv", COLUMNS)
     shown = COLUMNS[:3] + COLUMNS[9:12] + COLUMNS[13:]  # the markdown table: three significant digits
     table = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
     table += ["| " + " | ".join(_fmt(r.get(k)) for k in shown) + " |" for r in rows]
-    (RESULTS / f"{stem}.md").write_text("\n".join(table) + "\n")
-    plot(rows, RESULTS / f"{stem}.png")
+    (RESULTS_DIR / f"{stem}.md").write_text("\n".join(table) + "\n")
+    plot(rows, RESULTS_DIR / f"{stem}.png")
     log(f"wrote {path} (+ .md, .png)")
 
 

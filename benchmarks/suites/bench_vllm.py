@@ -29,8 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+from ..reporting.results import RESULTS_DIR
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 RECIPE = ROOT / "recipes" / "grpo.py"
 FIELDS = ["workload", "generation", "device", "steps", "generation_s", "step_s", "training_s", "wall_s",
           "compression_ratio", "reward_first", "reward_last", "command"]
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows.append(run_recipe(generation, args.steps, extra, Path(tmp) / generation))
             print(f"{generation}: {rows[-1]['generation_s']:.3f} s generation, {rows[-1]['step_s']:.3f} s per step "
                   f"({time.perf_counter() - start:.0f} s)", flush=True)
-    stem = RESULTS / f"vllm-grpo{'-' + args.tag if args.tag else ''}"
+    stem = RESULTS_DIR / f"vllm-grpo{'-' + args.tag if args.tag else ''}"
     with open(stem.with_suffix(".csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()

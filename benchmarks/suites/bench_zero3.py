@@ -37,9 +37,9 @@ from pathlib import Path
 
 import torch
 
+from ..reporting.results import RESULTS_DIR
 from .bench_sharded import ROOT, SCRIPT, free_port
 
-RESULTS = Path(__file__).with_name("results")
 COLUMNS = ["method", "stage", "layers", "hidden", "params_m", "steps", "steps_peak_mb_rank0", "steps_peak_mb_rank1",
            "steps_growth_mb_rank0", "steps_growth_mb_rank1", "peak_mb_rank0", "peak_mb_rank1", "step_s", "loadavg"]
 # method -> (ZeRO stage, dist_run variant, extra dist_run arguments)
@@ -116,8 +116,8 @@ def main() -> None:
             row = run(method, tmp / "model", tmp, args.steps, zero_config(args.hidden))
             rows.append({**row, "layers": args.layers, "hidden": args.hidden, "params_m": params / 1e6})
             print(", ".join(f"{k}={row[k]:.4g}" if isinstance(row[k], float) else f"{k}={row[k]}" for k in row))
-    RESULTS.mkdir(exist_ok=True)
-    with open(RESULTS / f"{args.name}.csv", "w", newline="") as f:
+    RESULTS_DIR.mkdir(exist_ok=True)
+    with open(RESULTS_DIR / f"{args.name}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
