@@ -16,13 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "import_graph.py"
 
 
-def run_with(folder: Path, *args: str) -> subprocess.CompletedProcess:
+def run(folder: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT), str(folder), *args], capture_output=True, text=True,
                           timeout=60)
-
-
-def run(folder: Path) -> subprocess.CompletedProcess:
-    return run_with(folder)
 
 
 def write(root: Path, files: dict[str, str]) -> Path:
@@ -51,12 +47,6 @@ def test_the_repository_has_no_cycle_no_upward_import_and_no_long_package_module
     assert "\nrecipes: " in proc.stdout and "LONG" not in proc.stdout
 
 
-def test_a_package_folder_alone():
-    proc = run(ROOT / "trl_dta")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.splitlines()[0].startswith("trl_dta: ") and "\nbenchmarks" not in proc.stdout
-
-
 def test_a_repository_of_packages_and_script_folders(tmp_path):
     """The repository's own scope (top-level folders), a bare-name import between scripts, `tests/` counted for length
     but no node; a long module fails in a package and is only listed elsewhere."""
@@ -75,7 +65,7 @@ def test_a_repository_of_packages_and_script_folders(tmp_path):
     assert "LONG pkg/big.py: 451 lines, over 450: split it by responsibility" in lines
     assert "over 450 lines outside the packages (listed, not failed): tests/test_x.py (461)" in lines
     assert lines[-1] == "FAILED: a module over 450 lines (above)"
-    assert run_with(tmp_path, "--max-lines", "500").returncode == 0
+    assert run(tmp_path, "--max-lines", "500").returncode == 0
 
 
 def test_a_cycle_between_top_level_packages_fails(tmp_path):

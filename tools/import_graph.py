@@ -53,12 +53,12 @@ REPOSITORY = ()  # the repository's own scope: its nodes are the top-level folde
 
 @dataclass(frozen=True)
 class Import:
-    """One import statement's target inside the package.
+    """One import statement's target among the checked modules.
 
     Args:
         source (`tuple[str, ...]`): the importing module's dotted path, e.g. `("trl_dta", "engine", "core")` (a
             package's `__init__.py` is `(..., "engine", "__init__")`).
-        target (`tuple[str, ...]`): the imported module or package, resolved to a file or folder of the package.
+        target (`tuple[str, ...]`): the imported module or package, resolved to a checked file or folder.
         deferred (`bool`): inside a function or under `if TYPE_CHECKING:` (not run when the module loads).
         line (`int`): the statement's line in the importing file.
     """
@@ -71,7 +71,7 @@ class Import:
 
 @dataclass
 class Scope:
-    """One package's children and the imports between them (see the module docstring)."""
+    """One package's (a script folder's, the repository's) children and the imports between them (module docstring)."""
 
     package: tuple[str, ...]
     nodes: list[str]
@@ -132,7 +132,7 @@ def _statements(tree: ast.Module):
 
 
 def _resolve(name: tuple[str, ...], modules: dict, packages: set) -> tuple[str, ...] | None:
-    """The longest prefix of `name` that is a module or package of the package, or None (outside it)."""
+    """The longest prefix of `name` that is a checked module or package, or None (outside them)."""
     for end in range(len(name), 0, -1):
         prefix = name[:end]
         if prefix in packages or prefix in modules:
