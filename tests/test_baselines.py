@@ -196,7 +196,7 @@ def test_workloads_have_the_documented_sharing():
 def test_dense_mb8_is_trls_default_micro_batch():
     from trl import GRPOConfig
 
-    from benchmarks.bench_engine import PROVIDERS, TRL_MICRO_BATCH_SIZE
+    from benchmarks.suites.providers import PROVIDERS, TRL_MICRO_BATCH_SIZE
 
     assert GRPOConfig.__dataclass_fields__["per_device_train_batch_size"].default == TRL_MICRO_BATCH_SIZE
     provider = PROVIDERS["dense-mb8"](_model(torch.float32), None)
@@ -204,14 +204,14 @@ def test_dense_mb8_is_trls_default_micro_batch():
 
 
 def test_ratios_are_against_the_faster_dense(tmp_path):
-    from benchmarks import common
+    from benchmarks.reporting.results import fill_ratios, read_csv, write_csv
 
     def row(workload, method, tps, mem):
         return dict(workload=workload, method=method, tokens_per_s=tps, peak_mem_mb=mem, ideal_ratio=4.0)
 
     rows = [row("a", "dense", 100.0, 50.0), row("a", "dense-mb8", 250.0, 200.0), row("a", "dense+ckpt", 400.0, 10.0),
             row("a", "dta", 500.0, 25.0), row("b", "dense", 100.0, 50.0), row("b", "dta", 300.0, 100.0)]
-    common.fill_ratios(rows)
+    fill_ratios(rows)
     dta = rows[3]
     # the fastest plain dense variant (checkpointing is not one), memory against the leaner variant
     assert (dta["dense_ref"], dta["speedup_vs_dense"], dta["fraction_of_ideal"]) == ("dense-mb8", 2.0, 0.5)
@@ -219,5 +219,5 @@ def test_ratios_are_against_the_faster_dense(tmp_path):
     assert rows[0]["speedup_vs_dense"] == 0.4 and rows[1]["speedup_vs_dense"] == 1.0
     # a workload where only the one-row variant ran
     assert (rows[5]["dense_ref"], rows[5]["speedup_vs_dense"], rows[5]["speedup_vs_dense_mb8"]) == ("dense", 3.0, None)
-    back = common.read_csv(common.write_csv(rows, tmp_path / "r.csv"))
+    back = read_csv(write_csv(rows, tmp_path / "r.csv"))
     assert back[3]["dense_ref"] == "dense-mb8" and back[3]["speedup_vs_dense_mb1"] == 5.0

@@ -36,7 +36,7 @@ CASES = [
 @pytest.mark.parametrize("module,argv,known", CASES, ids=[f"{m}{a[-2]}" for m, a, _ in CASES])
 def test_an_unknown_name_fails_the_parse(module, argv, known, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
-    main = importlib.import_module(f"benchmarks.{module}").main
+    main = importlib.import_module(f"benchmarks.suites.{module}").main
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2
@@ -45,7 +45,7 @@ def test_an_unknown_name_fails_the_parse(module, argv, known, capsys, monkeypatc
 
 
 def test_bench_balance_refuses_an_unknown_workload(monkeypatch, capsys):
-    from benchmarks import bench_balance
+    from benchmarks.suites import bench_balance
 
     monkeypatch.setattr(sys, "argv", ["bench_balance", "--workloads", "nope"])
     with pytest.raises(SystemExit) as exit_info:
@@ -55,11 +55,11 @@ def test_bench_balance_refuses_an_unknown_workload(monkeypatch, capsys):
 
 
 def test_the_command_line_exits_non_zero_and_writes_nothing(tmp_path):
-    """The report's case: `python -m benchmarks.bench_engine --methods <unknown> --workloads <unknown>`."""
+    """The report's case: `python -m benchmarks.suites.bench_engine --methods <unknown> --workloads <unknown>`."""
     results = ROOT / "benchmarks" / "results"
     before = {p.name: p.stat().st_mtime for p in results.iterdir()}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_engine", "--methods", "nope", "--workloads", "nope"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.suites.bench_engine", "--methods", "nope", "--workloads",
+                           "nope"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "unknown method ['nope']" in proc.stderr and "dense-mb8" in proc.stderr, proc.stderr
     assert {p.name: p.stat().st_mtime for p in results.iterdir()} == before

@@ -119,13 +119,15 @@ def test_sparse_flex_trains_on_cpu_through_the_named_fallback(exact64):
 
 
 def test_engine_rows_carry_the_method_and_its_oracle_check(tmp_path):
-    """`bench_engine.run_grid` (what `python -m benchmarks.bench_engine --methods dense-ckpt,sparse-flex,trl-tree,dta`
+    """`grid.run_grid` (what `python -m benchmarks.suites.bench_engine --methods dense-ckpt,sparse-flex,trl-tree,dta`
     runs), in-process on a small GRPO batch: every row names its method, passed the oracle check before timing, and
     says how many micro-batches and forwarded tokens it ran; the CSV has both columns. A wrong result fails the
     check."""
-    from benchmarks import common, workloads
-    from benchmarks.bench_engine import MethodConfig, run_grid
-    from benchmarks.oracle import ORACLE_TOL, oracle_error
+    from benchmarks import workloads
+    from benchmarks.harness.oracle import ORACLE_TOL, oracle_error
+    from benchmarks.reporting.results import read_csv, write_csv
+    from benchmarks.suites.grid import run_grid
+    from benchmarks.suites.providers import MethodConfig
 
     w = workloads.grpo(24, 3, 8, vocab_size=4096)
     rows = run_grid([w], ["dense-ckpt", "sparse-flex", "trl-tree", "dta"], "bench-cpu-quick", "cpu", "fp32",
@@ -135,7 +137,7 @@ def test_engine_rows_carry_the_method_and_its_oracle_check(tmp_path):
     tree = w.tree()
     assert [r["forward_tokens"] for r in rows[1:3]] == [tree.n_tree_tokens, tree.n_tree_tokens + 2]  # TRL forks early
     assert rows[0]["micro_batches"] == 1 and rows[2]["micro_batches"] == 1
-    back = common.read_csv(common.write_csv(rows, tmp_path / "engine.csv"))
+    back = read_csv(write_csv(rows, tmp_path / "engine.csv"))
     assert {"method", "oracle_ok", "oracle_err", "micro_batches", "forward_tokens"} <= set(back[0])
     lp = [torch.randn(5), torch.randn(3)]
     assert oracle_error(lp, lp) == 0 and oracle_error([x.flip(0) for x in lp], lp) > ORACLE_TOL["fp32"]

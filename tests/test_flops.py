@@ -114,7 +114,7 @@ def test_shapes_from_configs_and_names():
 
 def test_bench_shape_matches_the_model_it_builds():
     """The benchmark model built from a named shape has the parameter count the shape implies."""
-    from benchmarks.common import build_model
+    from benchmarks.harness.models import build_model
 
     shape = MODEL_SHAPES["bench-cpu-quick"]
     model = build_model(shape)
@@ -128,7 +128,7 @@ def test_count_matches_torch_flop_counter():
     attention (counted separately)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from benchmarks.common import build_model
+    from benchmarks.harness.models import build_model
 
     shape = ModelShape(64, 96, 2, 4, 2, 16, 128, name="tiny")
     model = build_model(shape, attn_implementation="eager")

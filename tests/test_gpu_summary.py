@@ -1,10 +1,12 @@
-"""The GPU check's completeness gate (`benchmarks/gpu_summary.check`, what fails CI's dry run): a complete set of rows
+"""The GPU check's completeness gate (`benchmarks/gpu/summary.check`, what fails CI's dry run): a complete set of rows
 passes; a missing method, an error row, a row without tokens/s or a missing column is reported."""
 
 from __future__ import annotations
 
-from benchmarks import gpu_bench
-from benchmarks.gpu_summary import FILE_OF, check, planned
+from benchmarks.gpu import bench as gpu_bench
+from benchmarks.gpu import plan
+from benchmarks.gpu.plan import FILE_OF, planned
+from benchmarks.gpu.summary import check
 
 EXPECT = [("throughput", "qwen3-1.7b"), ("trainer", "qwen3-0.6b"), ("prefix-memory", "qwen3-1.7b")]
 
@@ -18,10 +20,10 @@ def _write(out, skip=None, broken=None):
                 if (step, method) == skip:
                     continue
                 row = dict(step=step, workload=workload, method=method,
-                           model_shape=gpu_bench.shape_of(model, True).name, tokens_per_s=100.0, peak_mem_mb=1.0)
+                           model_shape=plan.shape_of(model, True).name, tokens_per_s=100.0, peak_mem_mb=1.0)
                 if (step, method) == broken:
                     row.update(tokens_per_s=None, error="out of memory")
-                gpu_bench.append_row(path, row)
+                plan.append_row(path, row)
 
 
 def test_complete_rows_pass(tmp_path):
@@ -32,7 +34,7 @@ def test_complete_rows_pass(tmp_path):
 def test_missing_and_failed_rows_are_reported(tmp_path):
     _write(tmp_path, skip=("throughput", "dta-triton"), broken=("trainer", "dta+ckpt"))
     problems = check(tmp_path, EXPECT, dry_run=True)
-    assert len(problems) == len(gpu_bench.WORKLOADS) + 1
+    assert len(problems) == len(plan.WORKLOADS) + 1
     assert all("dta-triton: no row" in p for p in problems[:2]) and "dta+ckpt: out of memory" in problems[2]
 
 
@@ -59,12 +61,12 @@ def test_a_method_past_the_deadline_writes_skipped_rows(tmp_path, monkeypatch):
     from benchmarks import workloads
 
     monkeypatch.setenv("GPU_CHECK_SLOW_S", "120")
-    shape = gpu_bench.shape_of("qwen3-1.7b", dry_run=True)
+    shape = plan.shape_of("qwen3-1.7b", dry_run=True)
     grid = [workloads.grpo(16, 2, 4, vocab_size=shape.vocab_size), workloads.grpo(8, 2, 4, vocab_size=shape.vocab_size)]
     grid[1].name = "grpo-small"
     path = tmp_path / "throughput.csv"
     gpu_bench.run_methods("throughput", ("dta-torch", "trl-tree"), grid, shape, "cpu", path, time.time() + 22, 1, 1)
-    rows = gpu_bench.read_rows(path)
+    rows = plan.read_rows(path)
     assert [(r["method"], r["workload"]) for r in rows] == [(m, w.name) for m in ("dta-torch", "trl-tree")
                                                             for w in grid]
     assert all(r["error"].startswith("skipped:") and not r.get("tokens_per_s") for r in rows)
@@ -72,7 +74,7 @@ def test_a_method_past_the_deadline_writes_skipped_rows(tmp_path, monkeypatch):
 
 
 def test_rows_of_a_backend_that_failed_correctness_are_marked(tmp_path):
-    from benchmarks.gpu_summary import summary
+    from benchmarks.gpu.summary import summary
 
     correctness = [dict(family="qwen2", backend="triton", precision="bf16-autocast", ok=0.0),
                    dict(family="qwen2", backend="torch", precision="bf16-autocast", ok=1.0)]
@@ -84,7 +86,7 @@ def test_rows_of_a_backend_that_failed_correctness_are_marked(tmp_path):
     assert rows[2]["checked"].startswith("FAILED: its oracle check") and rows[3]["checked"] == "ok"
     assert "checked" not in rows[4]
     for r in rows:
-        gpu_bench.append_row(tmp_path / "throughput.csv", dict(step="throughput", workload="w", model_shape="m",
+        plan.append_row(tmp_path / "throughput.csv", dict(step="throughput", workload="w", model_shape="m",
                                                                tokens_per_s=1.0, step_s=1.0, **r))
     summary(tmp_path, [], dry_run=False)
     text = (tmp_path / "summary.md").read_text()

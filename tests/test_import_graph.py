@@ -1,7 +1,9 @@
-"""`tools/import_graph.py`: the package's imports form layers (no cycle, no upward import), and the script catches both.
+"""`tools/import_graph.py`: the repository's imports form layers (no cycle, no upward import) and no module of a package
+is over 450 lines, and the script catches each.
 
 The script reads source with `ast`, so each run takes well under a second; the small packages written here check that
-a cycle of module-level imports, a cycle closed by a deferred import and a clean chain are each told apart.
+a cycle of module-level imports, a cycle closed by a deferred import and a clean chain are each told apart, and that a
+repository's top-level folders, its script folders and its long modules are.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "import_graph.py"
 
 
-def run(package: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), str(package)], capture_output=True, text=True, timeout=60)
+def run(folder: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), str(folder), *args], capture_output=True, text=True,
+                          timeout=60)
 
 
 def write(root: Path, files: dict[str, str]) -> Path:
@@ -29,15 +32,49 @@ def write(root: Path, files: dict[str, str]) -> Path:
     return package
 
 
-def test_the_package_has_no_cycle_and_no_upward_import():
-    proc = run(ROOT / "trl_dta")
+def test_the_repository_has_no_cycle_no_upward_import_and_no_long_package_module():
+    proc = run(ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "OK: no cycle, no upward import" in proc.stdout
-    heading = proc.stdout.splitlines()[0]
-    assert heading.startswith("trl_dta: ") and " layers" in heading, heading
+    assert "OK: no cycle, no upward import, no module of a package over 450 lines" in proc.stdout
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("repository: ") and " folders on " in lines[0], lines[0]
+    assert lines[1] == "  layer 0: trl_dta", proc.stdout  # everything else imports the package, never the reverse
     for package in ("analysis", "balance", "engine", "envs", "generation", "kernels", "modeling", "parallel",
                     "trainers", "envs.tau2"):
         assert f"\ntrl_dta.{package}: " in proc.stdout, package
+    for room in ("baselines", "gpu", "harness", "reporting", "suites", "workloads"):
+        assert f"\nbenchmarks.{room}: " in proc.stdout, room
+    assert "\nrecipes: " in proc.stdout and "LONG" not in proc.stdout
+
+
+def test_a_repository_of_packages_and_script_folders(tmp_path):
+    """The repository's own scope (top-level folders), a bare-name import between scripts, `tests/` counted for length
+    but no node; a long module fails in a package and is only listed elsewhere."""
+    write(tmp_path, {"core.py": "X = 1\n", "big.py": "x = 1\n" * 451})
+    for name, source in {"bench/__init__.py": "", "bench/run.py": "from pkg import core\n",
+                         "scripts/base.py": "import bench.run\n", "scripts/top.py": "from base import X\n",
+                         "tests/test_x.py": "import bench\n" + "x = 1\n" * 460}.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(source)
+    proc = run(tmp_path)
+    assert proc.returncode == 1
+    lines = proc.stdout.splitlines()
+    assert lines[:4] == ["repository: 3 folders on 3 layers", "  layer 0: pkg", "  layer 1: bench",
+                         "  layer 2: scripts"]
+    assert "scripts: 2 modules and packages on 2 layers" in lines and "  layer 1: top" in lines, proc.stdout
+    assert "LONG pkg/big.py: 451 lines, over 450: split it by responsibility" in lines
+    assert "over 450 lines outside the packages (listed, not failed): tests/test_x.py (461)" in lines
+    assert lines[-1] == "FAILED: a module over 450 lines (above)"
+    assert run(tmp_path, "--max-lines", "500").returncode == 0
+
+
+def test_a_cycle_between_top_level_packages_fails(tmp_path):
+    write(tmp_path, {"a.py": "def f():\n    import bench\n"})
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "__init__.py").write_text("from pkg import a\n")
+    proc = run(tmp_path)
+    assert proc.returncode == 1
+    assert "  UPWARD pkg.a:2 imports bench (layer 0 -> 1)" in proc.stdout, proc.stdout
 
 
 def test_layers_of_a_clean_chain(tmp_path):
@@ -79,6 +116,7 @@ def test_a_cycle_closed_by_a_deferred_import_runs_upward(tmp_path):
     assert "CYCLE" not in proc.stdout
 
 
-def test_a_folder_without_init_is_refused(tmp_path):
+def test_a_folder_without_python_is_refused(tmp_path):
+    (tmp_path / "data").mkdir()
     proc = run(tmp_path)
-    assert proc.returncode == 2 and "is not a package folder" in proc.stderr
+    assert proc.returncode == 2 and "is neither a package folder" in proc.stderr

@@ -1,10 +1,17 @@
-"""The package's import graph on layers: fails on an import cycle or an import that runs upward.
+"""The repository's import graph on layers, and its long modules: fails on an import cycle, an import that runs
+upward, or a module of a package over `MAX_LINES` lines.
 
-    python tools/import_graph.py [PACKAGE_DIR]        # default: trl_dta/ next to this folder
+    python tools/import_graph.py [FOLDER]     # default: the repository (the folder above tools/)
+
+FOLDER is the repository (a folder without `__init__.py`) or one package folder. In a repository, every top-level
+folder holding Python is a node of the repository's own scope, `repository`: the packages (`trl_dta`, `benchmarks`:
+folders with an `__init__.py`) and the script folders (`recipes`, `tools`, `docs`, whose scripts import each other by
+bare name, `from grpo import ...`); `tests/` is no node (it holds both the references that benchmarks import, at the
+bottom, and the test modules that import everything, at the top), but its modules are counted for length.
 
 Reads the source with `ast` (nothing is imported). Every package is one scope: its nodes are its direct children
 (modules and sub-packages, a sub-package standing for every module under it), and child `a` depends on child `b`
-when a module under `a` imports anything under `b`. In each scope:
+when a module under `a` imports anything under `b`; a script folder is a scope of its scripts. In each scope:
 
 - the **module-level** imports (run when the module loads) must form no cycle: a CYCLE fails;
 - every import, the **deferred** ones included (inside a function, or under `if TYPE_CHECKING:`), gives the layers: a
@@ -13,8 +20,15 @@ when a module under `a` imports anything under `b`. In each scope:
   UPWARD and fail (the layers shown are then those of the module-level imports).
 
 A package's `__init__.py` is a node of its own scope (it usually re-exports its children, so it sits on top); the
-node and layer counts below leave it out. Exit status 1 when some scope has a cycle or an upward import.
+node and layer counts below leave it out.
 
+**Long modules.** Every Python file over `MAX_LINES` lines (`--max-lines`) is reported: LONG, and a failure, in a
+package (split it by responsibility); listed without failing elsewhere (tests, recipes, tools, docs). Exit status 1
+on a cycle, an upward import or a LONG module.
+
+    repository: 5 folders on 2 layers
+      layer 0: trl_dta
+      layer 1: benchmarks, docs, recipes, tools
     trl_dta: 23 modules and packages on 9 layers
       layer 0: batch, kv_stack, precision, recurrent, refusal, tiny
       ...
@@ -29,16 +43,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 INIT = "__init__"
+MAX_LINES = 450
+# Top-level folders that are no node of the repository's graph (their files still count for length), and folders
+# never read (build outputs and caches, as `.gitignore` lists them; hidden folders too).
+NOT_NODES = ("tests",)
+SKIPPED = {"__pycache__", "build", "dist", "outputs", "runs", "site"}
+REPOSITORY = ()  # the repository's own scope: its nodes are the top-level folders
 
 
 @dataclass(frozen=True)
 class Import:
-    """One import statement's target inside the package.
+    """One import statement's target among the checked modules.
 
     Args:
         source (`tuple[str, ...]`): the importing module's dotted path, e.g. `("trl_dta", "engine", "core")` (a
             package's `__init__.py` is `(..., "engine", "__init__")`).
-        target (`tuple[str, ...]`): the imported module or package, resolved to a file or folder of the package.
+        target (`tuple[str, ...]`): the imported module or package, resolved to a checked file or folder.
         deferred (`bool`): inside a function or under `if TYPE_CHECKING:` (not run when the module loads).
         line (`int`): the statement's line in the importing file.
     """
@@ -51,7 +71,7 @@ class Import:
 
 @dataclass
 class Scope:
-    """One package's children and the imports between them (see the module docstring)."""
+    """One package's (a script folder's, the repository's) children and the imports between them (module docstring)."""
 
     package: tuple[str, ...]
     nodes: list[str]
@@ -61,13 +81,32 @@ class Scope:
     upward: list[Import] = field(default_factory=list)
 
 
+def _skipped(part: str) -> bool:
+    return part.startswith(".") or part in SKIPPED or part.endswith(".egg-info")
+
+
+def _files(folder: Path) -> list[Path]:
+    """The `.py` files under `folder`, skipped folders left out."""
+    return [path for path in sorted(folder.rglob("*.py"))
+            if not any(_skipped(part) for part in path.relative_to(folder).parts[:-1])]
+
+
+def _folders(root: Path) -> list[Path]:
+    """A repository's top-level folders that hold Python (a package folder: itself)."""
+    if (root / f"{INIT}.py").is_file():
+        return [root]
+    return [path for path in sorted(root.iterdir()) if path.is_dir() and not _skipped(path.name) and _files(path)]
+
+
 def _modules(root: Path) -> dict[tuple[str, ...], Path]:
-    """Every `.py` file under the package folder `root`, keyed by dotted path (`__init__` kept as a last part)."""
+    """Every `.py` file of the graph under `root` (a package folder, or a repository's top-level folders but
+    `NOT_NODES`), keyed by dotted path from the folder's name (`__init__` kept as a last part)."""
     out = {}
-    for path in sorted(root.rglob("*.py")):
-        if "__pycache__" in path.parts:
+    for folder in _folders(root):
+        if folder.name in NOT_NODES and folder != root:
             continue
-        out[(root.name, *path.relative_to(root).with_suffix("").parts)] = path
+        for path in _files(folder):
+            out[(folder.name, *path.relative_to(folder).with_suffix("").parts)] = path
     return out
 
 
@@ -93,7 +132,7 @@ def _statements(tree: ast.Module):
 
 
 def _resolve(name: tuple[str, ...], modules: dict, packages: set) -> tuple[str, ...] | None:
-    """The longest prefix of `name` that is a module or package of the package, or None (outside it)."""
+    """The longest prefix of `name` that is a checked module or package, or None (outside them)."""
     for end in range(len(name), 0, -1):
         prefix = name[:end]
         if prefix in packages or prefix in modules:
@@ -102,9 +141,11 @@ def _resolve(name: tuple[str, ...], modules: dict, packages: set) -> tuple[str, 
 
 
 def imports(root: Path) -> tuple[list[Import], dict[tuple[str, ...], Path]]:
-    """Every import of the package folder `root` that lands inside it, and its modules."""
+    """Every import of the modules under `root` (see [`_modules`]) that lands among them, and the modules."""
     modules = _modules(root)
     packages = {key[:-1] for key in modules if key[-1] == INIT}
+    scripts = {key[:-1] for key in modules if key[:-1] not in packages}  # folders of scripts (no `__init__.py`)
+    packages |= scripts | {key[:1] for key in modules}
     plain = {key for key in modules if key[-1] != INIT}
     found = []
     for key, path in modules.items():
@@ -118,6 +159,8 @@ def imports(root: Path) -> tuple[list[Import], dict[tuple[str, ...], Path]]:
                 base += tuple(node.module.split(".")) if node.module else ()
                 names = [base + (alias.name,) for alias in node.names if alias.name != "*"] or [base]
                 names = [n if n in plain or n in packages else n[:-1] for n in names]
+            if here in scripts:  # a script imports its folder's scripts by bare name (its folder is on `sys.path`)
+                names = [here + n if here + n[:1] in plain else n for n in names]
             for name in names:
                 target = _resolve(name, plain, packages)
                 if target is not None:
@@ -178,9 +221,12 @@ def _layers(nodes: list[str], adjacency: dict[str, set[str]]) -> dict[str, int]:
 
 
 def scopes(root: Path) -> list[Scope]:
-    """One `Scope` per package under `root` (the package itself first), layers, cycles and upward imports filled."""
+    """One `Scope` per package and script folder under `root` (a repository's own scope first, then outer packages
+    before inner ones), layers, cycles and upward imports filled."""
     found, modules = imports(root)
-    packages = sorted({key[:-1] for key in modules if key[-1] == INIT}, key=lambda p: (len(p), p))
+    packages = sorted({key[:-1] for key in modules}, key=lambda p: (len(p), p))
+    if not (root / f"{INIT}.py").is_file():
+        packages.insert(0, REPOSITORY)
     out = []
     for package in packages:
         nodes = sorted({_child(package, key) for key in modules if _child(package, key) is not None})
@@ -209,16 +255,17 @@ def scopes(root: Path) -> list[Scope]:
 
 def report(scope: Scope) -> list[str]:
     """The scope's lines: a heading, one line per layer, then each cycle and upward import."""
-    name = ".".join(scope.package)
+    name = ".".join(scope.package) or "repository"
+    what = "folders" if scope.package == REPOSITORY else "modules and packages"
     counted = [v for v in scope.nodes if v != INIT]
     lines = []
     if scope.layers:
         layers = sorted({scope.layers[v] for v in counted})
-        lines.append(f"{name}: {len(counted)} modules and packages on {len(layers)} layers")
+        lines.append(f"{name}: {len(counted)} {what} on {len(layers)} layers")
         for level in layers:
             lines.append(f"  layer {level}: " + ", ".join(v for v in counted if scope.layers[v] == level))
     else:
-        lines.append(f"{name}: {len(counted)} modules and packages, not layered (a cycle)")
+        lines.append(f"{name}: {len(counted)} {what}, not layered (a cycle)")
     for cycle in scope.cycles:
         where = [f"{'.'.join(imp.source)}:{imp.line} -> {'.'.join(imp.target)}"
                  for (a, b), found_here in sorted(scope.edges.items()) if a in cycle and b in cycle
@@ -231,18 +278,50 @@ def report(scope: Scope) -> list[str]:
     return lines
 
 
+def long_modules(root: Path, max_lines: int = MAX_LINES) -> list[tuple[str, int, bool]]:
+    """Every Python file under `root` (tests included) over `max_lines` lines: `(path, lines, in_package)`, the path
+    relative to `root`'s parent for a package folder, else to `root`; `in_package`: it fails the check."""
+    base = root.parent if (root / f"{INIT}.py").is_file() else root
+    out = []
+    for folder in _folders(root):
+        package = (folder / f"{INIT}.py").is_file()
+        for path in _files(folder):
+            lines = len(path.read_text().splitlines())
+            if lines > max_lines:
+                out.append((path.relative_to(base).as_posix(), lines, package))
+    return sorted(out, key=lambda item: (not item[2], -item[1]))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("package", nargs="?", type=Path, default=Path(__file__).resolve().parents[1] / "trl_dta")
+    parser.add_argument("folder", nargs="?", type=Path, default=Path(__file__).resolve().parents[1],
+                        help="the repository (default: the one holding this script) or one package folder")
+    parser.add_argument("--max-lines", type=int, default=MAX_LINES,
+                        help=f"longest module a package may hold (default {MAX_LINES})")
     args = parser.parse_args(argv)
-    if not (args.package / f"{INIT}.py").is_file():
-        parser.error(f"{args.package} is not a package folder (no {INIT}.py); pass the package's folder, e.g. trl_dta")
+    root = args.folder.resolve()
+    if not root.is_dir() or not _folders(root):
+        parser.error(f"{args.folder} is neither a package folder (with an {INIT}.py) nor a repository holding one or "
+                     "more folders of Python; pass the repository, or a package's folder, e.g. trl_dta")
     failed = False
-    for scope in scopes(args.package.resolve()):
+    for scope in scopes(root):
         print("\n".join(report(scope)))
         failed |= bool(scope.cycles or scope.upward)
-    print("FAILED: an import cycle or an upward import (above)" if failed else "OK: no cycle, no upward import")
-    return 1 if failed else 0
+    long = long_modules(root, args.max_lines)
+    for path, lines, package in long:
+        if package:
+            print(f"LONG {path}: {lines} lines, over {args.max_lines}: split it by responsibility")
+    listed = [f"{path} ({lines})" for path, lines, package in long if not package]
+    if listed:
+        print(f"over {args.max_lines} lines outside the packages (listed, not failed): " + ", ".join(listed))
+    too_long = any(package for _, _, package in long)
+    if failed or too_long:
+        print("FAILED: " + " and ".join(what for what, bad in (("an import cycle or an upward import", failed),
+                                                               (f"a module over {args.max_lines} lines", too_long))
+                                        if bad) + " (above)")
+    else:
+        print(f"OK: no cycle, no upward import, no module of a package over {args.max_lines} lines")
+    return 1 if failed or too_long else 0
 
 
 if __name__ == "__main__":

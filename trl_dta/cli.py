@@ -38,13 +38,13 @@ holding the conversation up to and including that turn. `--batch-size`, `--group
 conversations (the trainers' generation batch holds episodes; each rank trains the turns of its own episodes), so the
 balance rows are the same in both layouts, and the peak memory is that of each rank's rows in the layout.
 
-The *predicted* DTA speed-up is `ideal x f`: `f` (`--fraction-of-ideal`, default 0.8) is the fraction of the ideal
-FLOP speed-up that DTA reaches over TRL's dense path. The measured fractions, per workload and device, are the
-`fraction_of_ideal` column of `benchmarks/RESULTS.md`; they depend on the hardware and on the batch (lowest when a
-tree has many short segments), so the default is a conservative guess, not a measurement. It folds in what the FLOP
-count leaves out (per-forward overhead, sibling padding, small matmuls). Measure with `python -m
-benchmarks.bench_engine` on your hardware and pass the fraction you see. The prediction is never below 1x: the DTA
-trainers run batches that compress less than `dta_min_compression` through TRL's dense path.
+The *predicted* DTA speed-up is `ideal x f`: `f` (`--fraction-of-ideal`, default 0.8) is the fraction of the ideal FLOP
+speed-up that DTA reaches over TRL's dense path. The measured fractions, per workload and device, are the
+`fraction_of_ideal` column of `benchmarks/RESULTS.md`; they depend on the hardware and on the batch (lowest when a tree
+has many short segments), so the default is a conservative guess, not a measurement. It folds in what the FLOP count
+leaves out (per-forward overhead, sibling padding, small matmuls). Measure with `python -m
+benchmarks.suites.bench_engine` on your hardware and pass the fraction you see. The prediction is never below 1x: the
+DTA trainers run batches that compress less than `dta_min_compression` through TRL's dense path.
 
 With `--num-processes K` each batch is split across `K` ranks exactly as the DTA trainers split a generation batch
 (`trl_dta.balance.partition_for_ranks`: the same number of rows per rank, whole groups, costs from a `CostModel` with

@@ -246,12 +246,13 @@ MODEL_SHAPES: dict[str, ModelShape] = {
     "qwen3-8b": ModelShape(4096, 12288, 36, 32, 8, 128, 151936, name="qwen3-8b"),
     # Qwen/Qwen2-0.5B config.json
     "qwen2-0.5b": ModelShape(896, 4864, 24, 14, 2, 64, 151936, name="qwen2-0.5b"),
-    # The CPU benchmark's Qwen2-shaped model with random weights (benchmarks/common.py builds it from this shape).
+    # The CPU benchmark's Qwen2-shaped model with random weights (benchmarks/harness/models.py builds it).
     "bench-cpu": ModelShape(512, 1408, 8, 8, 2, 64, 8192, name="bench-cpu"),
     # The `--quick` benchmark model.
     "bench-cpu-quick": ModelShape(256, 704, 4, 4, 2, 64, 4096, name="bench-cpu-quick"),
-    # The hybrid benchmark's models (benchmarks/bench_hybrid.py), the width and depth of `bench-cpu-quick`: Qwen3.5's
-    # three Gated DeltaNet layers per full-attention layer, and Nemotron-H's Mamba2 / MLP / Mamba2 / attention blocks.
+    # The hybrid benchmark's models (benchmarks/suites/bench_hybrid.py), the width and depth of `bench-cpu-quick`:
+    # Qwen3.5's three Gated DeltaNet layers per full-attention layer, and Nemotron-H's Mamba2 / MLP / Mamba2 /
+    # attention blocks.
     "bench-qwen3.5-quick": ModelShape(256, 704, 4, 4, 2, 64, 4096, name="bench-qwen3.5-quick", attention_layers=1,
                                       recurrent_layers=3, recurrent_kind="gated_deltanet", recurrent_heads=4,
                                       recurrent_groups=2, recurrent_key_dim=64, recurrent_value_dim=64),

@@ -35,7 +35,10 @@ class ProviderOutput:
     stats: dict
 
 
-def _patch_fused_head(model, temperature: float, entropy: bool) -> None:
+def patch_fused_head(model, temperature: float, entropy: bool) -> None:
+    """Give `model` TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head`) once: per-token log-probs (and
+    entropies with `entropy`) at `temperature` from `model(..., labels=..., fused_lm_head=True)`; a second call with
+    other settings is refused (the head is patched in place)."""
     from trl.trainer.utils import add_fused_lm_head
 
     key = (temperature, entropy)
@@ -78,7 +81,7 @@ class DenseProvider:
         self.temperature = temperature
         self.entropy = entropy
         self.pad_token_id = pad_token_id
-        _patch_fused_head(model, temperature, entropy)
+        patch_fused_head(model, temperature, entropy)
         if gradient_checkpointing:
             model.activation_checkpointing_enable({"use_reentrant": False})
             model.config.use_cache = False

@@ -1,5 +1,5 @@
 """Longest-processing-time-first (LPT) rank balancing: the baseline that `trl_dta.balance.partition` is measured
-against in `benchmarks/bench_balance.py`.
+against in `benchmarks/suites/bench_balance.py`.
 
 LPT is what a dense trainer would do to balance ranks: weigh each item (a sequence, or a whole group) on its own and
 deal the items out, heaviest first, each to the rank with the least summed weight so far. It ignores that a rank's real
@@ -8,7 +8,8 @@ work is the *union* forest of its items, so its reported costs are those true fo
 
 from __future__ import annotations
 
-from trl_dta._checks import check_choice, check_int
+import numbers
+
 from trl_dta.balance import CostModel, Partition
 from trl_dta.balance.cost import SortedBatch
 from trl_dta.balance.partition import check_group_ids, summarize
@@ -33,8 +34,13 @@ def lpt_partition(seqs_or_tree, k: int, weight: str = "tokens", group_ids=None,
         group_ids (sequence or `torch.Tensor` of shape `(n,)`, *optional*): a group label per sequence.
         cost_model (`CostModel`, *optional*): for the reported costs; defaults to `CostModel()`.
     """
-    k = check_int("k", k, minimum=1, hint="the number of ranks")
-    weight = check_choice("weight", weight, ("tokens", "tree_tokens"))
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
+        raise TypeError(f"`k` must be a positive integer (the number of ranks), got {k!r} of type {type(k).__name__}.")
+    k = int(k)
+    if k < 1:
+        raise ValueError(f"`k` must be a positive integer (the number of ranks), got {k}.")
+    if weight not in ("tokens", "tree_tokens"):
+        raise ValueError(f"`weight` must be one of ['tokens', 'tree_tokens'], got {weight!r}.")
     model = cost_model if cost_model is not None else CostModel()
     batch = SortedBatch(as_tree(seqs_or_tree))
     labels = check_group_ids(group_ids, batch.n)

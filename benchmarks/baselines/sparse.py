@@ -184,7 +184,7 @@ def _register_block_attention() -> None:
     AttentionInterface.register(FLEX_ATTENTION_NAME, _flex_attention)
 
 
-def _torch_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor, temperature: float,
+def torch_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor, temperature: float,
                     chunk: int = 2048) -> torch.Tensor:
     """`log_softmax(hidden @ weight.T / temperature)[targets]`, chunked over rows, in the hidden dtype."""
     out = []
@@ -292,7 +292,7 @@ class SparseProvider:
         parent = layout["parent_token"].to(device)
         scored = (parent >= 0).nonzero()[:, 0]
         head = self.model.get_output_embeddings()
-        fn = _trl_logprobs if self.lm_head == "trl" else _torch_logprobs
+        fn = _trl_logprobs if self.lm_head == "trl" else torch_logprobs
         lp = fn(hidden[parent[scored]], head.weight, head.bias, ids[0, scored], self.temperature)
         return hidden.new_zeros(ids.shape[1], dtype=lp.dtype).index_copy(0, scored, lp)
 

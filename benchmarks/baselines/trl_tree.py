@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .dense import ProviderOutput, _patch_fused_head
+from .dense import ProviderOutput, patch_fused_head
 
 ATTENTION_NAME = "bench_trl_tree_varlen"
 ATTENTIONS = ("auto", "torch", "flash", "trl-fa3")
@@ -172,7 +172,7 @@ class TRLTreeProvider:
         self.attention = attention_in_use(attention, next(model.parameters()).device)
         self.attention_name = register(self.attention)
         if lm_head == "trl":
-            _patch_fused_head(model, temperature, entropy=False)
+            patch_fused_head(model, temperature, entropy=False)
 
     def _row_logprobs(self, packed: dict) -> torch.Tensor:
         """The loss terms' log-probs of one packed row, shape `(M,)` (`packed["token_index"]` order)."""

@@ -1,10 +1,10 @@
 """The Triton kernels compile for the GPUs they are launched on, without one: `triton.compile` for
-`GPUTarget("cuda", 90 | 80, 32)` with Triton's bundled `ptxas` (`benchmarks/triton_variants.py`, `--selection ci`).
+`GPUTarget("cuda", 90 | 80, 32)` with Triton's bundled `ptxas` (`benchmarks/gpu/triton_variants.py`, `--selection ci`).
 
 Every variant the dispatcher can launch for sm_90 (the lent H200) in bf16 (TRL's default precision): each kernel x
 head_dim (64, 128) x mask-flag set that `two_part` plans (72). For fp16 on sm_90 and bf16/fp16 on sm_80, the variant
 with the most mask code (the own part with every flag) per kernel and head_dim (18), to stay within CI's budget: a
-variant takes 1-4 s on one core (`python -m benchmarks.triton_variants` compiles all 288; `benchmarks/RESULTS.md`
+variant takes 1-4 s on one core (`python -m benchmarks.gpu.triton_variants` compiles all 288; `benchmarks/RESULTS.md`
 has the table).
 
 Checked: no compile error; shared memory within the architecture's per-block limit; on sm_90 no register spill (the
@@ -38,7 +38,7 @@ def compiled(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     jobs = str(min(os.cpu_count() or 1, 4))
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.triton_variants", "--selection", "ci", "--arch", "90",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu.triton_variants", "--selection", "ci", "--arch", "90",
                            "80", "--dtype", "bf16", "fp16", "--jobs", jobs, "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     print(proc.stdout[-6000:])
@@ -48,7 +48,7 @@ def compiled(tmp_path_factory):
 
 
 def test_every_variant_compiles_within_shared_memory(compiled):
-    from benchmarks.triton_variants import HEAVIEST, reachable_flags, variants
+    from benchmarks.gpu.triton_variants import HEAVIEST, reachable_flags, variants
 
     expected = variants((90, 80), ("bf16", "fp16"), "ci")
     assert len(compiled) == len(expected) > 0

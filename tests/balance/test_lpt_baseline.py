@@ -1,5 +1,5 @@
-"""The LPT rank-balancing baseline of `benchmarks/bench_balance.py` (`benchmarks/baselines/lpt.py`), and the pointer
-left where it used to be public (`trl_dta.lpt_partition`)."""
+"""The LPT rank-balancing baseline of `benchmarks/suites/bench_balance.py` (`benchmarks/baselines/lpt.py`), and the
+pointer left where it used to be public (`trl_dta.lpt_partition`)."""
 
 import pytest
 from hypothesis import given

@@ -25,7 +25,7 @@ cache nodes:  prompt (P) ─┬─ a (S) ─┬─ row a1 (own tokens)     every
 ```
 
 so a group's generation memory is the prompt plus the tree's segments plus the live rows' own tokens, not `G` copies
-of the prompt (`TreeStats.peak_kv_bytes`; `benchmarks/bench_tree_memory.py`: a 4,096-token prompt with 8 leaves
+of the prompt (`TreeStats.peak_kv_bytes`; `benchmarks/suites/bench_tree_memory.py`: a 4,096-token prompt with 8 leaves
 peaks at 0.24 of independent sampling's key/value memory: twice the prompt, at the moment the prompt moves from the
 rows' buffer into its node). No token of a shared part is forwarded twice.
 

@@ -12,9 +12,9 @@ stored once (no expand, no concatenation), see `two_part`. What each backend run
 | `triton` | CUDA*  | interval kernel      | interval kernel       | interval kernel       | fp32, fp64 (CUDA)      |
 
 (*) and CPU under `TRITON_INTERPRET=1` (tests only: fp32/fp64, no bf16, slow). `auto` picks per device from `AUTO` (CPU:
-`torch`; CUDA: `flash` when installed, else `torch`), measured with `benchmarks/bench_attention.py`. Every backend
-is exact (GQA without repeating the path, sliding windows, soft-capping, attention sinks, padding); `math` is the
-plain-PyTorch part kernel (one part's scores materialised transiently, the path still stored once). Sinks enter at
+`torch`; CUDA: `flash` when installed, else `torch`), measured with `benchmarks/suites/bench_attention.py`. Every
+backend is exact (GQA without repeating the path, sliding windows, soft-capping, attention sinks, padding); `math` is
+the plain-PyTorch part kernel (one part's scores materialised transiently, the path still stored once). Sinks enter at
 the merge (`two_part`), so every part kernel serves them unchanged. `merge_parts` (the log-sum-exp merge) and
 `attend_part` (one part, rows optionally folded over shared keys) are what the generation cache's attention builds on.
 """

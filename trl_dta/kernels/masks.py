@@ -20,6 +20,8 @@ A part is one query block attending one key block. The two-part attention has tw
 
 Padding columns (after every real token of a row) get `key_end = column + 1`: they see only themselves, so no
 softmax row is ever empty in the own part.
+
+[`plan_masks`] gives the two masks of one call (causal rows or packed rows, a window or none).
 """
 
 from __future__ import annotations
@@ -93,3 +95,34 @@ def key_end_from_row_mask(row_mask: torch.Tensor) -> torch.Tensor:
                          "column and the columns right after it, padding seeing itself); lay the rows out in "
                          "pre-order.")
     return key_end
+
+
+def plan_masks(path_len: int, batch: int, q_len: int, positions, key_end, window, device):
+    """The masks of the two parts of one call: what each part's kernel must hide (its mask flags pick the kernel
+    variant; `benchmarks/gpu/triton_variants.py` enumerates them from here).
+
+    Args:
+        path_len (`int`): keys of the shared path (0: no path part).
+        batch (`int`), q_len (`int`): rows and queries per row.
+        positions (`torch.LongTensor` of shape `(batch, q_len)`, *optional*): the queries' positions in packed rows;
+            None for causal rows, which continue the path at `path_len`.
+        key_end (`torch.LongTensor` of shape `(batch, q_len)`, *optional*): packed rows' subtree ends (per key).
+        window (`int`, *optional*): the sliding window.
+        device (`torch.device` or `str`): where the position tensors are built.
+
+    Returns:
+        `tuple[PartMask | None, PartMask]`: the path part's mask (None without a path) and the own part's mask.
+    """
+    causal_rows = positions is None
+    if causal_rows:  # rows continue the path: positions P .. P + L - 1
+        positions = path_len + torch.arange(q_len, device=device)[None]  # (1, L)
+    path_mask = None
+    if path_len:
+        path_mask = PartMask()
+        # Causal rows: the window hides path keys only if the last position reaches past it.
+        if window is not None and (not causal_rows or path_len + q_len - 1 >= window):
+            path_mask = PartMask(q_pos=positions.expand(batch, q_len).reshape(1, batch * q_len),  # folded queries
+                                 k_pos=torch.arange(path_len, device=device)[None], window=window)
+    if window is None or (causal_rows and q_len <= window):
+        return path_mask, PartMask(causal=True, key_end=key_end)
+    return path_mask, PartMask(causal=True, key_end=key_end, q_pos=positions, k_pos=positions, window=window)

@@ -22,10 +22,10 @@ tensor cores, compiles for 10-15 s per variant, spills 15-60 KB per thread and n
 dK/dV at head_dim 128 (sm_90 has 232,448 B). Under `TRITON_INTERPRET=1` (CPU, tests) float32 and float64 run here,
 on 16 x 16 tiles, so that small test shapes still cross several tiles and their edges.
 
-Launch configuration on CUDA ([`launch_config`]): per kernel the tile and the warps that compile spill-free for
-sm_90 at head_dim 64 and 128 with every mask flag on (`tests/attention_kernels/test_triton_compile.py` compiles every
-variant offline, `benchmarks/triton_variants.py` records registers, spills and shared memory). One program per (tile,
-batch x head), on grid axis 0 (up to 2^31 - 1 programs; axis 1 would cap batch x heads at 65,535).
+Launch configuration on CUDA ([`launch_config`]): per kernel the tile and the warps that compile spill-free for sm_90 at
+head_dim 64 and 128 with every mask flag on (`tests/attention_kernels/test_triton_compile.py` compiles every variant
+offline, `benchmarks/gpu/triton_variants.py` records registers, spills and shared memory). One program per
+(tile, batch x head), on grid axis 0 (up to 2^31 - 1 programs; axis 1 would cap batch x heads at 65,535).
 """
 
 from __future__ import annotations
@@ -221,6 +221,14 @@ _TL_ACC = {torch.float64: tl.float64, torch.float32: tl.float32}
 KERNELS = ("forward", "dkdv", "dq")
 
 
+def jit_kernel(name: str):
+    """The `triton.jit` function of the kernel `name` (one of [`KERNELS`]), the one [`launch_config`]`(name, ...)`
+    configures: for compiling a variant offline (`benchmarks/gpu/triton_variants.py`)."""
+    if name not in KERNELS:
+        raise ValueError(f"unknown Triton kernel {name!r}; choose one of {KERNELS}")
+    return {"forward": _forward_kernel, "dkdv": _dkdv_kernel, "dq": _dq_kernel}[name]
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     """Tiles and warps of one kernel: `block_m` query rows and `block_n` key rows per tile (dK/dV: `block_n` keys per
@@ -241,7 +249,7 @@ class LaunchConfig:
 # spilled with 64 x 64 (4 B at D = 128 under Triton 3.9, 12 B at D = 64 under 3.6, the GPU machine's); 64 x 32 needs
 # at most 226. Two pipeline stages: a third added registers (the forward spilled 24 B) for at most 67 KB of shared
 # memory either way, far below sm_90's 232,448 B. Figures: Triton 3.9 and 3.6, offline for sm_90, every mask-flag
-# set (`benchmarks/triton_variants.py`; the table in benchmarks/RESULTS.md).
+# set (`benchmarks/gpu/triton_variants.py`; the table in benchmarks/RESULTS.md).
 CUDA_LAUNCH = {
     ("forward", 64): LaunchConfig(64, 32, 4, 2),
     ("forward", 128): LaunchConfig(64, 32, 4, 2),

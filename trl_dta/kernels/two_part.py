@@ -44,7 +44,7 @@ import torch
 
 from .._checks import check_choice, check_float, check_int
 from ..precision import acc_dtype
-from .masks import PartMask
+from .masks import PartMask, plan_masks
 from .sdpa import concat_attention
 from .spans import Span, check_spans, plan_spans, spans_backward, spans_forward
 from .torch_parts import MATH, TORCH, PartKernel
@@ -250,28 +250,11 @@ def _pick(chain: tuple[str, ...], query, key, mask: PartMask, softcap) -> PartKe
                      f"(mask {mask}, softcap {softcap}); use backend='torch'.")
 
 
-def _plan_masks(path_len: int, batch: int, q_len: int, positions, key_end, window, device):
-    """The path part's mask (None without a path) and the own part's mask."""
-    causal_rows = positions is None
-    if causal_rows:  # rows continue the path: positions P .. P + L - 1
-        positions = path_len + torch.arange(q_len, device=device)[None]  # (1, L)
-    path_mask = None
-    if path_len:
-        path_mask = PartMask()
-        # Causal rows: the window hides path keys only if the last position reaches past it.
-        if window is not None and (not causal_rows or path_len + q_len - 1 >= window):
-            path_mask = PartMask(q_pos=positions.expand(batch, q_len).reshape(1, batch * q_len),  # folded queries
-                                 k_pos=torch.arange(path_len, device=device)[None], window=window)
-    if window is None or (causal_rows and q_len <= window):
-        return path_mask, PartMask(causal=True, key_end=key_end)
-    return path_mask, PartMask(causal=True, key_end=key_end, q_pos=positions, k_pos=positions, window=window)
-
-
 def _make_plan(query, path_key, key, *, scale, positions, key_end, window, softcap, chain, spans=None) -> _Plan:
     """Plan the parts and pick each part's kernel from `chain` (each span's, for shared rows)."""
     path_len = 0 if path_key is None else path_key.shape[2]
     batch, _, q_len, _ = query.shape
-    path_mask, own_mask = _plan_masks(path_len, batch, q_len, positions, key_end, window, query.device)
+    path_mask, own_mask = plan_masks(path_len, batch, q_len, positions, key_end, window, query.device)
     path_kernel = None if path_mask is None else _pick(chain, query, path_key, path_mask, softcap)
     own_kernel = _pick(chain, query, key, own_mask, softcap)
     own_spans = None
@@ -302,7 +285,7 @@ _BACKEND_AVAILABLE = {
     "flash": _flash_available,
     "triton": _triton_available,
 }
-# "auto": the first available backend per device type, fastest first (measured by benchmarks/bench_attention.py).
+# "auto": the first available backend per device type, fastest first (measured by benchmarks/suites/bench_attention.py).
 AUTO = {"cpu": ("torch", "sdpa"), "cuda": ("flash", "torch", "sdpa")}
 BACKENDS = tuple(_BACKENDS) + ("auto",)
 

@@ -47,7 +47,8 @@ from ..parallel import StrategySettings, strategy_for
 from ..tree import PrefixTree
 from ..vision import keyed_rows
 from . import _trl
-from .config import DTAArguments, check_trainer_args, check_trl_version, graph_budget
+from .arg_checks import check_trainer_args, graph_budget
+from .config import DTAArguments, check_trl_version
 from .launch import check_launch
 from .layouts import ROW_WEIGHT_KEY
 from .micro_batches import (

@@ -3,9 +3,9 @@ rules and probe, `modeling`) and those only a trainer knows: TRL's MoE router lo
 dropout rates before TRL calls `model.train()`, prompt-learning adapters, vision-language models whose images DTA
 does not run (`vision.VISION_FAMILIES`).
 
-Trainer-argument blockers (`config.check_trainer_args`: fp16, Liger, fused optimizers) are refused earlier, before the
-TRL trainer loads the model, in one message of their own: they need no model, and TRL's construction would not get far
-with some of them.
+Trainer-argument blockers (`arg_checks.check_trainer_args`: fp16, Liger, fused optimizers) are refused earlier, before
+the TRL trainer loads the model, in one message of their own: they need no model, and TRL's construction would not get
+far with some of them.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ itself, adds TRL's own bias to every mode. TreePO then whitens over the batch's 
 TRL's scale. TreeRL's counts are rows (copies of an ended node count, as TRL's group mean counts them).
 
 Per-token modes hand TRL a `(B, T)` advantage: refused with sequence-level importance sampling, VESPO and the
-off-policy mask, which would mix or threshold it per token (`config.check_tree_args`).
+off-policy mask, which would mix or threshold it per token (`arg_checks.check_tree_args`).
 """
 
 from __future__ import annotations
