@@ -134,6 +134,7 @@ def test_smollm2_plays_the_standin_in_its_chat_template(tmp_path, recipe):
         pytest.skip(f"the SmolLM2 wheel is not installed: {INSTALL}")
     script_args, training_args, model_args = recipe.parse_args(["--model_name_or_path", "smollm2-135m-instruct"])
     assert model_args.use_peft and training_args.max_completion_length == 24 and script_args.agent_max_turns == 3
+    assert training_args.temperature == 0.7 and training_args.max_steps == 30
     _, training_args, _ = recipe.parse_args(["--model_name_or_path", "smollm2-135m-instruct", "--agent_domain", "mock"])
     assert training_args.max_completion_length == 48  # configs/agent_smollm2_tau2.yaml
     out = tmp_path / "smollm2"
