@@ -60,6 +60,7 @@ def test_summary_reads_the_logged_metrics(recipe):
     assert summary == {"generation": "transformers", "steps": 6, "processes": 2, "layout": "per_turn", "wall_s": 12.0,
                        "reward_first": pytest.approx(0.15), "reward_last": pytest.approx(0.65),
                        "rewards": {"format_reward": [pytest.approx(0.3), pytest.approx(1.3)]}, "rewards_steps": 2,
+                       "entropy": [None, None],
                        "frac_reward_zero_std": pytest.approx(1 / 6),
                        "compression_ratio": 8.0, "compression_ratio_micro_batch": 5.0, "tokens": 4000.0,
                        "tree_tokens": 500.0, "forward_tokens": 520.0, "rollout_tokens": 900.0,
