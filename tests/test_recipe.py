@@ -179,7 +179,8 @@ def test_real_model_smoke_run(tmp_path, smollm2_dir):
     out = tmp_path / "smollm2"
     result = run([sys.executable, str(RECIPE), "--model_name_or_path", "smollm2-135m-instruct", "--max_steps", "2",
                   "--per_device_train_batch_size", "8", "--num_generations", "4", "--dta_tree_branching", "4",
-                  "--word_problem_num_rows", "16", "--heldout_num_rows", "4", "--output_dir", str(out)],
+                  "--max_completion_length", "2", "--word_problem_num_rows", "16", "--heldout_num_rows", "4",
+                  "--output_dir", str(out)],
                  env={"TRL_DTA_CACHE": str(smollm2_dir.parent)})
     record = _record(result)
     assert record["steps"] == 2 and record["generation"] == "transformers"
