@@ -30,6 +30,7 @@ CASES = [
     ("bench_tree_rollouts", ["--methods", "nope"], "independent"),
     ("bench_tree_rollouts", ["--shapes", "nope"], "tiny"),
     ("bench_tree_memory", ["--shapes", "nope"], "tiny"),
+    ("task_probe", ["--kinds", "nope"], "largest-of-4"),
 ]
 
 

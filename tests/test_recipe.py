@@ -63,10 +63,13 @@ def test_the_real_model_name_selects_its_config(recipe):
     script_args, training_args, model_args = recipe.parse_args(["--model_name_or_path", "smollm2-135m-instruct"])
     assert model_args.model_name_or_path == "smollm2-135m-instruct" and model_args.use_peft
     assert script_args.word_problem_ops == ["which"] and training_args.max_completion_length == 4
+    assert script_args.word_problem_fixed_shots and script_args.heldout_num_rows == 200
+    assert training_args.per_device_train_batch_size == 64 and training_args.dta_tree_branching == [8]
+    assert training_args.scale_rewards == "none" and training_args.entropy_coef == 0.1
     assert training_args.use_cpu and not training_args.bf16 and training_args.output_dir == "outputs/grpo-smollm2"
     _, training_args, _ = recipe.parse_args(["--model_name_or_path=smollm2-135m-instruct", "--dta_enabled", "false",
                                              "--max_steps", "3"])
-    assert not training_args.dta_enabled and training_args.max_steps == 3 and training_args.learning_rate == 2e-3
+    assert not training_args.dta_enabled and training_args.max_steps == 3 and training_args.learning_rate == 2e-4
     _, training_args, _ = recipe.parse_args(["--model_name_or_path", "smollm2-135m-instruct", "--config",
                                              str(CONFIGS / "default.yaml")])
     assert training_args.max_completion_length == 6  # the given config, not the model's
@@ -89,6 +92,9 @@ def test_reward_funcs_resolution_and_errors(recipe, tmp_path):
     )
     with pytest.raises(ValueError, match="--model_name_or_path"):
         recipe.main(script_args, training_args, model_args)
+    # held-out problems are the word-problem task's: refused for the embedded setup, before anything is built
+    with pytest.raises(ValueError, match="`--heldout_num_rows` scores held-out word problems"):
+        recipe.main(*recipe.parse_args(["--heldout_num_rows", "4", "--output_dir", str(tmp_path)]))
 
 
 def test_summary_reads_the_logged_metrics(recipe):
@@ -101,6 +107,11 @@ def test_summary_reads_the_logged_metrics(recipe):
     assert "steps: 6    processes: 2    wall time: 12.0 s (2.00 s/step)\ndistributed: DDP" in text
     assert "first 2 logged steps 0.150 -> last 2 logged steps 0.650 (+0.500)" in text
     assert "compression ratio 6.00x" in text and "dense 3600, prefix tree 600, computed 630 (17.5% of dense)" in text
+    per_function = [{"reward": r, "rewards/answer_reward/mean": r / 2, "entropy": 1.0 - r} for r in (0.2, 0.6)]
+    text = recipe.summarize(per_function, steps=2, wall_time=1.0, window=1, heldout=[0.25, 0.5])
+    assert "  answer_reward: 0.100 -> 0.300 (+0.200)" in text
+    assert "entropy (the policy's, nats per completion token): 0.800 -> 0.400" in text
+    assert "held-out greedy accuracy: before training 0.250 -> after training 0.500 (+0.250)" in text
     dense_only = recipe.summarize([{"reward": 0.1}, {"reward": 0.2}], steps=2, wall_time=1.0, window=5)
     assert "first 1 logged steps 0.100 -> last 1 logged steps 0.200" in dense_only
     assert "DTA: no metrics logged" in dense_only
@@ -112,7 +123,8 @@ def test_summary_record_is_the_json_line(recipe):
              "scoring_time": 0.01, "dta/step_time": 0.04, "dta/compression_ratio": 6.0, "dta/tokens": 600.0,
              "dta/tree_tokens": 100.0, "dta/forward_tokens": 100.0}
     logs = [entry, {**entry, "reward": 1.0, "rewards/answer_reward/mean": 0.75}, {"train_runtime": 1.0}]
-    record = recipe.summary_record(logs, steps=2, wall_time=1.04, window=5, use_vllm=True)
+    record = recipe.summary_record(logs, steps=2, wall_time=1.04, window=5, use_vllm=True, heldout=[0.5, 0.75])
+    assert record["heldout_accuracy"] == [0.5, 0.75] and record["entropy"] == [None, None]
     assert record["steps"] == 2 and record["wall_s"] == 1.0 and record["rewards_steps"] == 1
     assert (record["reward_first"], record["reward_last"]) == (0.5, 1.0)
     assert record["rewards"] == {"answer_reward": [0.25, 0.75]} and record["generation"] == "vllm"
@@ -159,18 +171,26 @@ def _record(result: subprocess.CompletedProcess) -> dict:
 
 
 def test_real_model_smoke_run(tmp_path, smollm2_dir):
-    """`--model_name_or_path smollm2-135m-instruct` end to end, shortened (2 steps, 2-token answers): the name resolves
-    to the converted folder (the session's, through `TRL_DTA_CACHE`: nothing converts again), LoRA trains on the word
-    problems through the chat template, DTA shares each group's prompt, and the JSON line closes the run."""
+    """`--model_name_or_path smollm2-135m-instruct` end to end, shortened (2 steps of 2 prompts x 4 completions, 4
+    held-out problems): the name resolves to the converted folder (the session's, through `TRL_DTA_CACHE`: nothing
+    converts again), LoRA trains on the word problems through the chat template, the completions are sampled as
+    one-level trees (each prompt forwarded once), DTA shares the prompts' common prefix, the held-out problems are
+    answered greedily before and after training, and the summary (entropy beside the rewards) closes the run."""
     out = tmp_path / "smollm2"
     result = run([sys.executable, str(RECIPE), "--model_name_or_path", "smollm2-135m-instruct", "--max_steps", "2",
-                  "--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "2",
-                  "--word_problem_num_rows", "16", "--output_dir", str(out)],
+                  "--per_device_train_batch_size", "8", "--num_generations", "4", "--dta_tree_branching", "4",
+                  "--max_completion_length", "2", "--word_problem_num_rows", "16", "--heldout_num_rows", "4",
+                  "--output_dir", str(out)],
                  env={"TRL_DTA_CACHE": str(smollm2_dir.parent)})
     record = _record(result)
     assert record["steps"] == 2 and record["generation"] == "transformers"
     assert set(record["rewards"]) == {"answer_reward", "number_format_reward"}
     assert record["compression_ratio"] > 2.0 and record["training_s"] > 0
+    before, after = record["heldout_accuracy"]
+    assert before in (0.0, 0.25, 0.5, 0.75, 1.0) and after in (0.0, 0.25, 0.5, 0.75, 1.0)
+    assert all(value > 0 for value in record["entropy"])
+    assert "held-out greedy accuracy: before training" in result.stdout and "entropy (the policy's" in result.stdout
+    assert json.loads((out / "summary.json").read_text()) == record
     assert (out / "adapter_config.json").is_file() and (out / "trainer_state.json").is_file()
 
 

@@ -60,6 +60,7 @@ def test_summary_reads_the_logged_metrics(recipe):
     assert summary == {"generation": "transformers", "steps": 6, "processes": 2, "layout": "per_turn", "wall_s": 12.0,
                        "reward_first": pytest.approx(0.15), "reward_last": pytest.approx(0.65),
                        "rewards": {"format_reward": [pytest.approx(0.3), pytest.approx(1.3)]}, "rewards_steps": 2,
+                       "entropy": [None, None],
                        "frac_reward_zero_std": pytest.approx(1 / 6),
                        "compression_ratio": 8.0, "compression_ratio_micro_batch": 5.0, "tokens": 4000.0,
                        "tree_tokens": 500.0, "forward_tokens": 520.0, "rollout_tokens": 900.0,
@@ -134,6 +135,7 @@ def test_smollm2_plays_the_standin_in_its_chat_template(tmp_path, recipe):
         pytest.skip(f"the SmolLM2 wheel is not installed: {INSTALL}")
     script_args, training_args, model_args = recipe.parse_args(["--model_name_or_path", "smollm2-135m-instruct"])
     assert model_args.use_peft and training_args.max_completion_length == 24 and script_args.agent_max_turns == 3
+    assert training_args.temperature == 0.7 and training_args.max_steps == 30
     _, training_args, _ = recipe.parse_args(["--model_name_or_path", "smollm2-135m-instruct", "--agent_domain", "mock"])
     assert training_args.max_completion_length == 48  # configs/agent_smollm2_tau2.yaml
     out = tmp_path / "smollm2"

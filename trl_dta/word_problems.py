@@ -12,16 +12,19 @@ number_format_reward   1.0        0.0             0.0          1.0          0.0
 ```
 
 `answer_reward` asks for the right number *first* (a model that writes the sum out first gets nothing),
-`number_format_reward` for nothing but a number. SmolLM2-135M-Instruct, a weak instruct model, answers a sum at
-about chance (greedy "17 + 25 = 32"), but picks the asked one of two stated quantities (`which`) right about a third
-of the time, and GRPO lifts that within a few dozen steps.
+`number_format_reward` for nothing but a number. Which kinds a 135M model can learn was measured before training
+(SmolLM2-135M-Instruct, one solved example, greedy / sampled accuracy: `python -m benchmarks.suites.task_probe`,
+`benchmarks/RESULTS.md`, "A real model"): sums 5% / 3%, products 7% / 4%, the next number of a sequence 5% / 1%,
+counting a list 0% / 9% are out of reach; reading one of two stated quantities (`which`, 55% / 34%, chance 50%) or
+one of three ages (`ages`, 23% / 16%, chance 33%) is in range, and GRPO teaches both within 24 steps of 64
+completions (held-out greedy accuracy, `which`: 48% -> 92%; `ages`, ages up to 60: 41% -> 97%).
 """
 
 from __future__ import annotations
 
 import random
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from datasets import Dataset
 
@@ -52,6 +55,14 @@ def _which(rng: random.Random, top: int) -> tuple[str, int]:
     return f"{name} has {a} {first} and {b} {second}. How many {asked} does {name} have?", answer
 
 
+def _ages(rng: random.Random, top: int) -> tuple[str, int]:
+    people = rng.sample(_NAMES, 3)
+    ages = rng.sample(range(1, max(top, 3) + 1), 3)
+    asked = rng.randrange(3)
+    return (f"{people[0]} is {ages[0]}, {people[1]} is {ages[1]} and {people[2]} is {ages[2]} years old. "
+            f"How old is {people[asked]}?", ages[asked])
+
+
 def _mul(rng: random.Random, top: int) -> tuple[str, int]:
     item = rng.choice(_ITEMS)
     a, b = rng.randint(2, min(top, 10)), rng.randint(2, min(top, 10))
@@ -59,14 +70,15 @@ def _mul(rng: random.Random, top: int) -> tuple[str, int]:
 
 
 PROBLEMS: dict[str, Callable[[random.Random, int], tuple[str, int]]] = {
-    "which": _which, "+": _add, "-": _sub, "*": _mul}
+    "which": _which, "ages": _ages, "+": _add, "-": _sub, "*": _mul}
 """Problem generators by kind: `(rng, largest operand) -> (question, exact answer)`. `which` asks for one of two
-quantities stated in the question (reading, no arithmetic: a 135M model answers it right about half the time and
-better after a few dozen GRPO steps), the others for a sum, a difference, a product."""
+quantities stated in the question, `ages` for one of three people's ages (reading, no arithmetic: what a 135M model
+learns by GRPO, see the module docstring), the others for a sum, a difference, a product."""
 
 
 def build_dataset(num_rows: int = 2048, *, max_operand: int = 10, ops: Sequence[str] = ("+", "-"),
-                  num_shots: int = 1, seed: int = 0) -> Dataset:
+                  num_shots: int = 1, fixed_shots: bool = False, seed: int = 0,
+                  exclude: Collection[str] = ()) -> Dataset:
     """Generates the word-problem dataset (conversational prompts, exact integer answers).
 
     Args:
@@ -75,14 +87,23 @@ def build_dataset(num_rows: int = 2048, *, max_operand: int = 10, ops: Sequence[
         max_operand (`int`, *optional*, defaults to `10`):
             Largest number in a question (a product's factors are at most `min(max_operand, 10)`).
         ops (`Sequence[str]`, *optional*, defaults to `("+", "-")`):
-            Problem kinds to draw from, keys of [`PROBLEMS`]: `which` (one of two stated quantities), `+` (gets
-            more), `-` (gives away, never below zero), `*` (bags of items).
+            Problem kinds to draw from, keys of [`PROBLEMS`]: `which` (one of two stated quantities), `ages` (one of
+            three stated ages, at most `max_operand`), `+` (gets more), `-` (gives away, never below zero), `*` (bags
+            of items).
         num_shots (`int`, *optional*, defaults to `1`):
-            Solved examples before the question, each a user turn and the assistant's bare answer (drawn per row).
+            Solved examples before the question, each a user turn and the assistant's bare answer (drawn per row,
+            or once with `fixed_shots`).
             One is enough to make a weak instruct model answer with a bare number now and then, which gives GRPO a
             learning signal from the first step; without it SmolLM2-135M-Instruct almost never does.
+        fixed_shots (`bool`, *optional*, defaults to `False`):
+            Show the same solved examples before every question (drawn once, from a generator of their own seeded
+            by `seed`) instead of drawing them per row. The prompts then share a prefix (system prompt and examples),
+            which DTA trains once per micro-batch and generation forwards once per step.
         seed (`int`, *optional*, defaults to `0`):
             Seed of the generator.
+        exclude (`Collection[str]`, *optional*):
+            Questions (the last user turn's text, see [`questions`]) never to ask: a held-out set passes the training
+            set's, so that no held-out question was trained on. Drawn again until it differs.
 
     Returns:
         [`~datasets.Dataset`]: columns `prompt` (`list[dict]`: `num_shots` solved user / assistant turns, then the
@@ -98,16 +119,36 @@ def build_dataset(num_rows: int = 2048, *, max_operand: int = 10, ops: Sequence[
     if num_shots < 0:
         raise ValueError(f"num_shots must be >= 0, got {num_shots}.")
     rng = random.Random(seed)
-    prompts, answers = [], []
-    for _ in range(num_rows):
-        messages = []
-        for _ in range(num_shots + 1):
-            question, answer = PROBLEMS[rng.choice(tuple(ops))](rng, max_operand)
-            messages += [{"role": "user", "content": f"{question} {INSTRUCTION}"},
-                         {"role": "assistant", "content": str(answer)}]
+    excluded = frozenset(exclude)
+    shots = _solved(random.Random(f"shots-{seed}"), ops, max_operand, num_shots) if fixed_shots else None
+    prompts, answers, draws = [], [], 0
+    while len(prompts) < num_rows:
+        draws += 1
+        if draws > 100 * num_rows:
+            raise ValueError(f"could not draw {num_rows} questions outside `exclude` ({len(excluded)} questions) in "
+                             f"{draws - 1} draws: ask for fewer rows, or widen the problems (`max_operand`, `ops`).")
+        messages = _solved(rng, ops, max_operand, num_shots + 1) if shots is None else \
+            shots + _solved(rng, ops, max_operand, 1)
+        if messages[-2]["content"] in excluded:
+            continue
         prompts.append(messages[:-1])
-        answers.append(str(answer))
+        answers.append(messages[-1]["content"])
     return Dataset.from_dict({"prompt": prompts, "answer": answers})
+
+
+def _solved(rng: random.Random, ops: Sequence[str], max_operand: int, count: int) -> list[dict]:
+    """`count` problems drawn from `ops`, each a user turn and the assistant's exact answer."""
+    messages = []
+    for _ in range(count):
+        question, answer = PROBLEMS[rng.choice(tuple(ops))](rng, max_operand)
+        messages += [{"role": "user", "content": f"{question} {INSTRUCTION}"},
+                     {"role": "assistant", "content": str(answer)}]
+    return messages
+
+
+def questions(dataset: Dataset) -> set[str]:
+    """The questions a word-problem dataset asks (each row's last user turn), for `build_dataset(exclude=...)`."""
+    return {prompt[-1]["content"] for prompt in dataset["prompt"]}
 
 
 _FIRST_NUMBER = re.compile(r"-?\d+")

@@ -70,7 +70,8 @@ def test_episodes_in_the_chat_template_are_graded_as_the_text_protocol(chat_toke
     def generate(prefixes, max_new_tokens):
         out = []
         for prefix, budget in zip(prefixes, max_new_tokens):
-            k = chat_tokenizer.decode(prefix).count("<|im_start|>assistant\n") - 1 - 3  # 3 demonstration turns
+            shown = sum(m["role"] == "assistant" for m in DEMONSTRATION)  # the demonstration's turns
+            k = chat_tokenizer.decode(prefix).count("<|im_start|>assistant\n") - 1 - shown
             ids = chat_tokenizer(script[k], add_special_tokens=False)["input_ids"] + [chat_tokenizer.eos_token_id]
             out.append(Generation(ids[:budget], None))
         return out

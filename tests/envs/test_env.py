@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from trl_dta import PrefixTree
 from trl_dta.envs import Call, RetailDomain
 from trl_dta.envs.database import PENDING
+from trl_dta.envs.reward import tool_credit
 from trl_dta.envs.tasks import KINDS
 from trl_dta.envs.user import STOP
 from trl_dta.tiny import ALPHABET, build_tokenizer
@@ -137,6 +138,17 @@ def test_malformed_turns_and_bad_calls_are_answered(domain):
     replies = [text for role, text in env.messages if role != "agent"]
     assert len(replies) == len(turns) and all(r.startswith("error: ") for r in replies)
     assert env.db == domain.database and env.end_reason == "max_turns"
+
+
+def test_a_call_whose_arguments_do_not_parse_still_names_its_tool(domain):
+    """The tool credit reads the tool a malformed call names; the arguments credit gets nothing from it."""
+    gold = [(call.tool, call.kwargs) for call in domain.task(1).gold_actions]
+    env = _play(domain, 1, ["call get-order o1, thanks", "call get-order\nsay hi"], max_turns=2)
+    assert [text for role, text in env.messages if role == "tool"] == ["error: arguments are key=value, got o1,.",
+                                                                       "error: one line per turn."]
+    named = tool_credit(gold, [("get-order", {})])
+    assert named > 0 and env.reward().tools == pytest.approx(named)
+    assert env.reward().arguments == 0.0
 
 
 _WORDS = st.sampled_from(["say", "call", "find-user", "get-order", "cancel-order", "order=o1", "first=ann", "zip=1",

@@ -18,7 +18,7 @@ def mean_of(logs: list[dict], key: str) -> float | None:
 
 
 def reward_trend(log_history: list[dict], window: int) -> dict:
-    """The reward at the start and the end of a run, in total and per reward function.
+    """The reward at the start and the end of a run, in total and per reward function, and the policy's entropy.
 
     Args:
         log_history (`list[dict]`):
@@ -27,8 +27,9 @@ def reward_trend(log_history: list[dict], window: int) -> dict:
             How many first and last logged steps to average (capped at half of them, at least 1).
 
     Returns:
-        `dict`: `reward_first`, `reward_last`, `rewards` (name -> `[first, last]` of `rewards/<name>/mean`) and
-        `rewards_steps` (the window used).
+        `dict`: `reward_first`, `reward_last`, `rewards` (name -> `[first, last]` of `rewards/<name>/mean`),
+        `entropy` (`[first, last]` of TRL's logged `entropy`: the policy's mean per-token entropy on the sampled
+        completions, in nats; `None` where not logged) and `rewards_steps` (the window used).
     """
     logs = [entry for entry in log_history if "reward" in entry]
     k = max(1, min(window, len(logs) // 2))
@@ -39,5 +40,6 @@ def reward_trend(log_history: list[dict], window: int) -> dict:
         "reward_last": mean_of(logs[-k:], "reward"),
         "rewards": {name: [mean_of(logs[:k], f"rewards/{name}/mean"), mean_of(logs[-k:], f"rewards/{name}/mean")]
                     for name in names},
+        "entropy": [mean_of(logs[:k], "entropy"), mean_of(logs[-k:], "entropy")],
         "rewards_steps": k,
     }

@@ -40,12 +40,15 @@ DEMONSTRATION = (
     {"role": "user", "content": "hi, i ordered o5 by mistake, please cancel it. i am ann lee, my zip is 40213."},
     {"role": "assistant", "content": "call find-user first=ann last=lee zip=40213"},
     {"role": "tool", "content": "user u3"},
+    {"role": "assistant", "content": "call get-order order=o5"},
+    {"role": "tool", "content": "order o5: pending, ships to rome, items lamp 25, total 25, returned none"},
     {"role": "assistant", "content": "call cancel-order order=o5 reason=mistake"},
     {"role": "tool", "content": "order o5 cancelled, refund 25"},
     {"role": "assistant", "content": "say order o5 is cancelled, your refund is 25."},
     {"role": "user", "content": "thanks, that is all. (stop)"},
 )
-"""One made-up episode of the protocol (its user, order and values are not the domain's), shown before the task."""
+"""One made-up episode of the protocol (its user, order and values are not the domain's), shown before the task. It
+follows the domain's own procedure, as every gold solution does: find the user, look the order up, then act."""
 
 _ROLES = {USER: "user", TOOL: "tool", AGENT: "assistant"}
 

@@ -24,7 +24,7 @@ from functools import cached_property
 from .._checks import check_int
 from .database import Database, Session, generate_database, run_tool
 from .policy import policy_document
-from .protocol import AGENT, TOOL, USER, Call, ProtocolError, Say, parse_turn, render_prompt
+from .protocol import AGENT, TOOL, USER, Call, ProtocolError, Say, named_tool, parse_turn, render_prompt
 from .reward import RewardBreakdown, compute_reward, info_said
 from .tasks import Task, generate_task, gold_database
 from .user import UserSimulator
@@ -137,6 +137,9 @@ class RetailEnv:
             action = parse_turn(turn)
         except ProtocolError as error:
             role, text = TOOL, str(error)
+            tool = named_tool(turn)
+            if tool is not None:  # arguments that do not parse: the call still names its tool (no arguments passed)
+                self._attempted.append(Call.of(tool))
         else:
             role, text = self._act(action)
         self.messages.append((role, text))

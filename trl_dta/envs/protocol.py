@@ -110,6 +110,16 @@ def parse_turn(text: str) -> Say | Call:
     return Call.of(words[0], **args)
 
 
+def named_tool(text: str) -> str | None:
+    """The tool a one-line `call` turn names, whether or not its arguments parse (`call get-order order=o2, thanks`
+    names `get-order`); `None` for any other turn. The shaped tool credit reads it (`envs.reward.tool_credit`): the
+    right tool is credited on its own, the arguments and the form by their own credits."""
+    line = text.strip()
+    keyword, _, rest = line.partition(" ")
+    words = rest.split()
+    return words[0] if keyword == CALL and words and "\n" not in line else None
+
+
 def protocol_score(text: str) -> float:
     """How well one agent turn follows the protocol, in `[0, 1]`; `1.0` for every well-formed action.
 

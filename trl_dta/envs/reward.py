@@ -28,9 +28,12 @@ same path to success into signals a random tiny model meets early, each in `[0, 
 - `call_format`: well-formed tool calls, the mean over turns of `protocol.call_format_score` (a `say` turn 0.25, a
   call 0.5 to 1.0 as its tool and parameter names are right, partial credit for starting with `call `);
 - `tools`: per gold action, the best share of its tool name that one of the agent's calls starts with (`find-u` for
-  `find-user` earns 6/9), averaged over the gold actions: [`tool_credit`];
+  `find-user` earns 6/9), averaged over the gold actions: [`tool_credit`]; a call whose arguments do not parse still
+  names its tool (`protocol.named_tool`: `call get-order order=o2, thanks` calls `get-order` with no arguments);
 - `arguments`: the share of the gold calls' `key=value` pairs that some call of the same tool passed (attempted
   calls count, successful or not): [`argument_credit`];
+- on a task without gold calls (solved by talking: 2 of tau2 mock's 9 tasks) both are 1 when the agent called nothing
+  and 0 when it called anything: there, any call is a mistake, and no call earns credit it did not make;
 - `success`: tau2's outcome, 0 or 1.
 """
 
@@ -92,19 +95,25 @@ def actions_done(gold: Sequence[Call], executed: Sequence[Call]) -> float:
 
 def tool_credit(gold: Sequence[tuple[str, dict]], called: Sequence[tuple[str, dict]]) -> float:
     """Per gold call, the largest `common prefix / len(gold tool name)` over the tool names of `called` (the
-    agent's attempted calls, `(tool, arguments)`), averaged over `gold`; `1.0` without gold calls."""
+    agent's attempted calls, `(tool, arguments)`), averaged over `gold`. Without gold calls (a task solved by
+    talking, e.g. 2 of tau2 mock's 9 tasks) the right thing is to call nothing: `1.0` if nothing was called, else
+    `0.0`."""
     if not gold:
-        return 1.0
+        return float(not called)
     return sum(max((_common_prefix(tool, name) / len(name) for tool, _ in called), default=0.0)
                for name, _ in gold) / len(gold)
 
 
 def argument_credit(gold: Sequence[tuple[str, dict]], called: Sequence[tuple[str, dict]]) -> float:
-    """The share of the gold calls' `(tool, key, value)` triples that some call of `called` to that tool passed;
-    `1.0` when the gold calls take no arguments."""
+    """The share of the gold calls' `(tool, key, value)` triples that some call of `called` to that tool passed.
+    Gold calls without arguments have nothing to pass: the credit is then the share of them whose tool was called
+    (exact name), and without gold calls `1.0` if nothing was called, else `0.0` (as [`tool_credit`])."""
+    if not gold:
+        return float(not called)
     wanted = [(name, key, str(value)) for name, args in gold for key, value in args.items()]
     if not wanted:
-        return 1.0
+        names = {tool for tool, _ in called}
+        return sum(name in names for name, _ in gold) / len(gold)
     passed = {(tool, key, str(value)) for tool, args in called for key, value in args.items()}
     return sum(triple in passed for triple in wanted) / len(wanted)
 
@@ -129,7 +138,8 @@ def compute_reward(
         turns (`Sequence[str]`): every agent turn as decoded.
         said (`Sequence[str]`): the agent's `say` messages.
         executed (`Sequence[Call]`): the agent's tool calls that returned without error.
-        attempted (`Sequence[Call]`, *optional*): every tool call the agent made (parsed), for the shaped credits.
+        attempted (`Sequence[Call]`, *optional*): every tool call the agent made, for the shaped credits (a call
+            whose arguments did not parse with its tool and no arguments).
 
     Returns:
         [`RewardBreakdown`].

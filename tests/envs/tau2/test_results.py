@@ -10,6 +10,7 @@ import pytest
 
 from trl_dta import cli
 from trl_dta.envs.tau2 import Tau2Session, tau2_modules
+from trl_dta.envs.tau2.results import describe, simulation_rewards
 
 from .conftest import ScriptedPolicy, renderer_for
 
@@ -17,7 +18,9 @@ TRIALS = 2
 
 
 def write_results(domain, tokenizer, task_ids, path):
-    """Plays gold episodes (trial 0) and gold-without-its-first-action episodes (trial 1); saves tau2's `Results`."""
+    """Plays gold episodes (trial 0) and gold-without-its-first-action episodes (trial 1); saves tau2's `Results`,
+    each simulation with the reward its episode graded itself with (`Tau2Session.reward`), as `tau2 run` stores
+    its evaluator's."""
     t = tau2_modules()
     s = t.simulation
     renderer = renderer_for(domain, tokenizer)
@@ -27,10 +30,11 @@ def write_results(domain, tokenizer, task_ids, path):
         for trial, script in enumerate([gold, gold[1:]]):
             # tau2's trajectory starts with the agent's greeting, as `tau2 run` writes it
             messages = [t.message.AssistantMessage(role="assistant", content="Hi! How can I help you today?")]
-            messages += _trajectory(domain, tokenizer, renderer, task_id, script)
+            trajectory, reward = _trajectory(domain, tokenizer, renderer, task_id, script)
             simulations.append(s.SimulationRun(id=f"{task_id}-{trial}", task_id=task_id, trial=trial,
                                                start_time="", end_time="", duration=0.0,
-                                               termination_reason="user_stop", messages=messages))
+                                               termination_reason="user_stop", messages=messages + trajectory,
+                                               reward_info=reward))
     info = s.Info(git_commit="", num_trials=TRIALS, max_steps=100, max_errors=10,
                   user_info=s.UserInfo(implementation="user_simulator"),
                   agent_info=s.AgentInfo(implementation="llm_agent"),
@@ -45,7 +49,41 @@ def _trajectory(domain, tokenizer, renderer, task_id, script):
     policy = ScriptedPolicy(tokenizer, {tuple(session.prompt_ids): script})
     while not session.done:
         session.step(policy([session.prompt_ids], [10**5])[0].ids)
-    return session.trajectory
+    return session.trajectory, session.reward()
+
+
+def test_reader_rewards_agree_with_tau2s_evaluator(tmp_path, mock, chat_tokenizer, capsys):
+    """The rewards the reader reports (`simulation_rewards`, and their mean in `describe`) equal tau2's own
+    `evaluate_simulation` run on each simulation as tau2 loads the file, on every mock task (the two without gold
+    calls included). Where a task has gold calls, its gold episode scores 1 and the episode without its first call 0.
+    Where tau2's evaluator raises (an environment check on a record the episode never created: `tau2 run` would stop
+    there) the episode graded itself 0, as `Tau2Domain.evaluate` documents."""
+    path = tmp_path / "results.json"
+    task_ids = [task.id for task in mock.tasks]
+    write_results(mock, chat_tokenizer, task_ids, path)
+    stored = simulation_rewards(path)
+    t = tau2_modules()
+    results = t.simulation.Results.load(path)
+    tasks = {task.id: task for task in results.tasks}
+
+    def tau2_reward(sim):
+        try:
+            return t.evaluator.evaluate_simulation(simulation=sim, task=tasks[sim.task_id], solo_mode=False,
+                                                   domain="mock", evaluation_type=t.evaluator.EvaluationType.ALL).reward
+        except ValueError:
+            return None
+
+    fresh = {sim.id: tau2_reward(sim) for sim in results.simulations}
+    assert len(stored) == len(fresh) == 2 * len(task_ids)
+    graded = {k: v for k, v in fresh.items() if v is not None}
+    assert {k: stored[k] for k in graded} == graded
+    assert all(stored[k] == 0.0 for k, v in fresh.items() if v is None)
+    for task in mock.tasks:
+        if any(a.requestor == "assistant" for a in task.evaluation_criteria.actions or []):
+            assert (stored[f"{task.id}-0"], stored[f"{task.id}-1"]) == (1.0, 0.0), task.id
+    mean = sum(stored.values()) / len(stored)
+    assert describe(path).endswith(f"tau2's rewards: mean {mean:.3f} over {len(stored)} graded simulations, "
+                                   f"{sum(r == 1.0 for r in stored.values())} of them 1")
 
 
 def test_analyze_reads_tau2_results(tmp_path, airline, chat_tokenizer, capsys):

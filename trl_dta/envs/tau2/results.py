@@ -98,16 +98,27 @@ def read_results(path: str | Path):
     return _read(str(path.resolve()), path.stat().st_mtime)
 
 
+def simulation_rewards(path: str | Path) -> dict[str, float | None]:
+    """tau2's reward of each simulation as the file stores it (`SimulationRun.reward_info.reward`, what tau2's
+    evaluator gave when `tau2 run` graded it), by simulation id; `None` for a simulation stored without one."""
+    return {str(sim.id): None if sim.reward_info is None else float(sim.reward_info.reward)
+            for sim in read_results(path).simulations}
+
+
 def describe(path: str | Path) -> str:
-    """What was read, for the analyzer's first line: domain, tasks, simulations, trials per task."""
+    """What was read, for the analyzer's first line: domain, tasks, simulations, trials per task, and tau2's stored
+    rewards ([`simulation_rewards`]: their mean and how many are 1)."""
     results = read_results(path)
     domain = results.info.environment_info.domain_name
     trials = Counter(str(sim.task_id) for sim in results.simulations)
     sizes = ", ".join(f"{n} of {k} trials" if n > 1 else f"1 of {k} trials" for k, n in
                       sorted(Counter(trials.values()).items()))
+    graded = [r for r in simulation_rewards(path).values() if r is not None]
+    rewards = (f"; tau2's rewards: mean {sum(graded) / len(graded):.3f} over {len(graded)} graded simulations, "
+               f"{sum(r == 1.0 for r in graded)} of them 1" if graded else "; no simulation holds tau2's reward")
     return (f"tau2 results: domain {domain}, {len(results.tasks)} tasks, {len(results.simulations)} simulations; "
             f"groups (the trials of a task): {len(trials)} ({sizes}); tau2's first agent message is context, not a "
-            "policy turn")
+            f"policy turn{rewards}")
 
 
 def _chat(message: dict, first: bool) -> dict | None:
