@@ -53,7 +53,7 @@ GROUPS = (
     ("Generating with the prefix cache", "`trl_dta.generation` (agent rollouts, tree rollouts)",
      ("trl_dta/generation/",)),
     ("Generating with vLLM", "`use_vllm=True` under the DTA trainers: vLLM's CPU build, server mode (docs/vllm.md)",
-     ("trl_dta/generation/vllm_cpu.py", "trl_dta/trainers/vllm_engine.py")),
+     ("trl_dta/trainers/vllm_cpu.py", "trl_dta/trainers/vllm_engine.py")),
     ("Agents and tau2", "`trl_dta.envs` (the stand-in, rollout functions, chat templates) and `trl_dta.envs.tau2`",
      ("trl_dta/envs/",)),
     ("Balancing ranks yourself", "`partition`, `partition_for_ranks`, `CostModel`", ("trl_dta/balance/",)),

@@ -39,10 +39,10 @@ With `--model_name_or_path smollm2-135m-instruct` (a real instruct model from a 
 (`configs/agent_smollm2.yaml` for the stand-in: LoRA, 30 steps of 1 task x 8 episodes, 3 turns of at most 24 tokens,
 temperature 0.7; `configs/agent_smollm2_tau2.yaml` for tau2 domains: 6 steps, 2 turns of at most 48 tokens): the
 stand-in's turns become chat messages in the model's template with a demonstration episode
-(`trl_dta.envs.chat_turns`), and a tau2 domain gets TRL's Qwen2.5 tool-calling template on SmolLM2's ChatML tokens
-with one held-out task shown solved before each opening (`docs/agents.md`). Measured on the stand-in (seed 0, 2-core
-CPU, 485 s, `benchmarks/RESULTS.md`): the tool reward 0.27 -> 0.64 (first / last 5 steps), the format reward 0.53 ->
-0.92, the arguments reward 0.05 -> 0.12.
+(`trl_dta.envs.retail.chat_turns`), and a tau2 domain gets TRL's Qwen2.5 tool-calling template on SmolLM2's ChatML
+tokens with one held-out task shown solved before each opening (`docs/agents.md`). Measured on the stand-in (seed 0,
+2-core CPU, 485 s, `benchmarks/RESULTS.md`): the tool reward 0.27 -> 0.64 (first / last 5 steps), the format reward 0.53
+-> 0.92, the arguments reward 0.05 -> 0.12.
 The run ends with a readable summary (the reward per function, the share of
 steps without a learning signal, the step's split into generation, tools and users, grading and DTA training, the
 rollout and training token counts, peak memory) and one line `summary: {...}` (JSON). Without `--config` and without
@@ -269,7 +269,8 @@ def build_workload(script_args: AgentScriptArguments, training_args: DTAGRPOConf
                    embedded: bool = True) -> Workload:
     """The dataset, rollout function and rewards of `--agent_domain`, `agent_max_tokens` derived when unset. With a
     pretrained chat model (`embedded=False` and a chat template) the stand-in's turns are chat messages
-    (`trl_dta.envs.chat_turns.ChatTurns`), and tau2's episodes start with a demonstration from a held-out task."""
+    (`trl_dta.envs.retail.chat_turns.ChatTurns`), and tau2's episodes start with a demonstration from a held-out
+    task."""
     standin = script_args.agent_domain == "standin"
     reward = script_args.agent_reward or ("shaped" if standin else "outcome")
     turn_budget = training_args.max_completion_length + script_args.agent_reply_tokens
@@ -278,8 +279,8 @@ def build_workload(script_args: AgentScriptArguments, training_args: DTAGRPOConf
                               policy_chars=script_args.agent_policy_chars)
         dataset = build_dataset(domain, script_args.agent_num_tasks)
         chat = bool(getattr(tokenizer, "chat_template", None)) and not embedded
-        if chat:  # a pretrained chat model: the protocol in its chat template (`trl_dta.envs.chat_turns`)
-            from trl_dta.envs.chat_turns import ChatTurns
+        if chat:  # a pretrained chat model: the protocol in its chat template (`trl_dta.envs.retail.chat_turns`)
+            from trl_dta.envs.retail.chat_turns import ChatTurns
 
             turns = ChatTurns(tokenizer, domain)
             prompts = [turns.prompt_ids(task_id) for task_id in dataset["task_id"]]
@@ -289,7 +290,7 @@ def build_workload(script_args: AgentScriptArguments, training_args: DTAGRPOConf
                 "num_tasks": len(dataset), "tools": 6, "policy_chars": len(domain.system_prompt)}
         outcome = {"shaped": SHAPED_REWARDS, "episode": ([episode_reward], None), "outcome": ([outcome_reward], None)}
     else:
-        from trl_dta.envs.chat import ChatRenderer, ensure_tool_template
+        from trl_dta.envs.core.chat import ChatRenderer, ensure_tool_template
         from trl_dta.envs.tau2 import TAU2_VERSION, Tau2Domain, build_tau2_dataset, gold_demonstration, tau2_reward
 
         domain = Tau2Domain(script_args.agent_domain, task_split=script_args.agent_task_split,
@@ -347,12 +348,12 @@ def _demonstration_task(domain) -> str | None:
 
 def embedded_tokenizer(script_args: AgentScriptArguments):
     """The embedded tokenizer: for the stand-in the character-level one with the protocol's words as tokens
-    (`envs.protocol.protocol_tokenizer`), for tau2 domains a byte-level one with TRL's Qwen2.5 chat template."""
+    (`envs.retail.protocol.protocol_tokenizer`), for tau2 domains a byte-level one with TRL's Qwen2.5 chat template."""
     if script_args.agent_domain == "standin":
-        from trl_dta.envs.protocol import protocol_tokenizer
+        from trl_dta.envs.retail.protocol import protocol_tokenizer
 
         return protocol_tokenizer()
-    from trl_dta.envs.chat import build_chat_tokenizer
+    from trl_dta.envs.core.chat import build_chat_tokenizer
 
     return build_chat_tokenizer("qwen2_5")
 

@@ -169,7 +169,7 @@ def smollm2_cut_dir(smollm2_dir, tmp_path_factory):
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked `vllm` are skipped, with the install command as the reason, where vLLM is not installed."""
-    from trl_dta.generation.vllm_cpu import vllm_available
+    from trl_dta.trainers.vllm_cpu import vllm_available
 
     if vllm_available():
         return

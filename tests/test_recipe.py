@@ -257,7 +257,7 @@ def _free_port() -> int:
 
 @pytest.mark.vllm
 def test_vllm_colocated_run(tmp_path, monkeypatch):
-    """`--use_vllm true` on a CPU: TRL's colocated engine with the CPU settings (`generation/vllm_cpu.py`), the
+    """`--use_vllm true` on a CPU: TRL's colocated engine with the CPU settings (`trainers/vllm_cpu.py`), the
     embedded model with head size 32 (vLLM's CPU attention has no 16), a clean exit (the engine shut down before
     `Trainer.end` destroys the process group)."""
     # a session engine of this process (tests/vllm_engines.py) holds the rendezvous port TRL set in the environment

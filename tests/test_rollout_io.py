@@ -1,6 +1,6 @@
 """Reading rollouts for `trl-dta analyze` (`analysis/rollout_io.py`): sequence formats and their errors, conversations
 (`messages` through a chat template, `turns` of token ids) and their layouts, checked against the trainers' per-turn
-expansion (`trainers/layouts.py`) and the environment's episodes (`envs/rollout.py`)."""
+expansion (`trainers/layouts.py`) and the environment's episodes (`envs/core/rollout.py`)."""
 
 import json
 import random
@@ -10,7 +10,8 @@ import torch
 
 from trl_dta.analysis import layout_rows, load_conversations, load_sequences
 from trl_dta.cli import main
-from trl_dta.envs import Generation, RetailDomain, layout_sequences, play_episodes
+from trl_dta.envs import RetailDomain, layout_sequences, play_episodes
+from trl_dta.generation import Generation
 from trl_dta.tiny import build_tokenizer
 from trl_dta.trainers.layouts import expand_per_turn
 from trl_dta.tree import PrefixTree

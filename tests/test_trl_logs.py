@@ -23,7 +23,7 @@ from test_rollout_io import SEQS, write_jsonl
 from trl_dta import tiny
 from trl_dta.analysis import AnalysisError, SourceOptions, analyze_source, load_trl_completions
 from trl_dta.cli import main
-from trl_dta.envs.chat import build_chat_tokenizer
+from trl_dta.envs.core.chat import build_chat_tokenizer
 
 STEPS = 2
 ROWS_PER_STEP = 8  # 2 prompts x 4 completions: per_device_train_batch_size 4 x gradient_accumulation_steps 2

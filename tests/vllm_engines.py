@@ -1,5 +1,5 @@
 """vLLM for the tests (marker `vllm`): one engine per dtype per test session, built with the arguments TRL's colocate
-mode passes to `vllm.LLM` plus the CPU settings (`trl_dta/generation/vllm_cpu.py`), and handed to every trainer built
+mode passes to `vllm.LLM` plus the CPU settings (`trl_dta/trainers/vllm_cpu.py`), and handed to every trainer built
 under [`VLLMEngines.shared`] instead of a new one (TRL syncs the trainer's weights into it before its first
 generation, so trainers of one model shape can share it).
 
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from trl_dta.generation import vllm_cpu
 from trl_dta.tiny import build_default_model_dir
+from trl_dta.trainers import vllm_cpu
 
 SKIP_REASON = f"vLLM is not installed: {vllm_cpu.INSTALL}"
 

@@ -22,8 +22,8 @@ a completion's end-of-sequence token), and a tau2-bench results file (`*.json`, 
 `Results`, validated by tau2 itself; needs `trl-dta[tau2]`; one conversation per simulation, tau2's system prompt and
 the domain's tool schemas added, the trials of a task grouped, tau2's fixed first agent message kept as context but not
 a policy turn). `--tokenizer` takes a folder (e.g. one written by
-`trl_dta.envs.chat.build_chat_tokenizer().save_pretrained(...)`, the offline byte-level tokenizer with TRL's Qwen2.5
-chat template) or a hub name (cached, or online).
+`trl_dta.envs.core.chat.build_chat_tokenizer().save_pretrained(...)`, the offline byte-level tokenizer with TRL's
+Qwen2.5 chat template) or a hub name (cached, or online).
 
 Rows are read in order and cut into global batches of `--batch-size` sequences (what one optimizer step sees), or by the
 `step` column of TRL's completion logs; when neither gives the batches, all rows form one batch, which compresses more

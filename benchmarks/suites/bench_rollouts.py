@@ -50,7 +50,7 @@ def _workload(domain_name: str, tasks: int):
     """`(play(generate) -> episodes, tokenizer, model, system_prompt_tokens, tau2 domain or None)`."""
     from trl_dta import tiny
     from trl_dta.envs import RetailDomain, play_episodes
-    from trl_dta.envs.protocol import protocol_tokenizer
+    from trl_dta.envs.retail.protocol import protocol_tokenizer
 
     if domain_name == "standin":
         domain, tokenizer = RetailDomain(seed=0), protocol_tokenizer()
@@ -62,7 +62,7 @@ def _workload(domain_name: str, tasks: int):
                                  max_turns=turns, max_turn_tokens=turn_tokens, max_tokens=4096, timings=timings)
 
         return play, tokenizer, model, system, None
-    from trl_dta.envs.chat import ChatRenderer, build_chat_tokenizer
+    from trl_dta.envs.core.chat import ChatRenderer, build_chat_tokenizer
     from trl_dta.envs.tau2 import Tau2Domain, play_tau2_episodes
 
     domain, tokenizer = Tau2Domain(domain_name), build_chat_tokenizer("qwen2_5")

@@ -2,7 +2,7 @@
 optimizer step, for the GRPO recipe (`recipes/grpo.py`) at its defaults.
 
 Each run is the recipe as a user starts it, in a process of its own, `--use_vllm true` (TRL's colocated engine, with
-the CPU settings of `trl_dta/generation/vllm_cpu.py` on a CPU) or `--use_vllm false` (transformers' `generate`); the
+the CPU settings of `trl_dta/trainers/vllm_cpu.py` on a CPU) or `--use_vllm false` (transformers' `generate`); the
 figures are the recipe summary's means over the logged steps (TRL's `step_time` and trl-dta's `generation_time`).
 Both runs train the same model: the embedded tiny model with 2 attention heads (head size 32), since vLLM's CPU
 attention has no head size 16 (the recipe's default 4 heads); `--model_name_or_path` and any other recipe argument

@@ -21,7 +21,7 @@ AGENT_SIZES = {
     "quick": {"tasks": 2, "group": 4, "policy_chars": 0, "max_turns": 5, "max_tokens": 2048},
     "full": {"tasks": 4, "group": 8, "policy_chars": 2048, "max_turns": 8, "max_tokens": 4096},
 }
-# What the scripted agent may ask before acting; the simulated user answers each (`trl_dta.envs.user`).
+# What the scripted agent may ask before acting; the simulated user answers each (`trl_dta.envs.retail.user`).
 _QUESTIONS = ("say may i have your name?", "say what is your zip code?", "say which order is it about?",
               "say what is the reason for the call?")
 
@@ -70,7 +70,8 @@ def agent_episodes(sizes: dict, seed: int = 0):
         vocab = model_shape(sizes.get("shape", "bench-cpu")).vocab_size
         tau2.compact_ids(episodes, vocab, bpe.eos_token_id, new_eos=tokenizer.eos_token_id)
         return Tau2Prompts(), tokenizer, episodes
-    from trl_dta.envs import Generation, RetailDomain, play_episodes
+    from trl_dta.envs import RetailDomain, play_episodes
+    from trl_dta.generation import Generation
     from trl_dta.tiny import build_tokenizer
 
     domain = RetailDomain(seed=seed, policy_chars=sizes["policy_chars"])

@@ -78,9 +78,10 @@ def variant_script(domain, task, variant: int) -> list:
 
 def gold_episodes(domain, task_ids, group: int, tokenizer, max_turns: int = 40):
     """`group` episodes of every task (variants 0 .. group-1), task by task; variant 0 is the gold replay."""
-    from trl_dta.envs.chat import ChatRenderer
-    from trl_dta.envs.rollout import Generation, run_sessions
+    from trl_dta.envs.core.chat import ChatRenderer
+    from trl_dta.envs.core.rollout import run_sessions
     from trl_dta.envs.tau2 import Tau2Session
+    from trl_dta.generation import Generation
 
     renderer = ChatRenderer(tokenizer, domain.tool_schemas)
     episodes = []

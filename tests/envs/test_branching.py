@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trl_dta.envs import AgentRolloutFunc, model_generate_fn, play_episodes
+from trl_dta.envs import AgentRolloutFunc, play_episodes
+from trl_dta.generation import reprefill_generate_fn
 from trl_dta.tiny import build_model
 
 from .test_rollout import Recorder, gold_scripts, scripted
@@ -40,7 +41,7 @@ def _replay(domain, tokenizer, episode, max_turns):
 def test_episodes_share_first_turns_then_diverge(domain, tokenizer, branching, branch_turns):
     torch.manual_seed(0)
     model = build_model(tokenizer)
-    generate = Recorder(model_generate_fn(model, tokenizer, temperature=1.0, top_k=0, top_p=1.0))
+    generate = Recorder(reprefill_generate_fn(model, tokenizer, temperature=1.0, top_k=0, top_p=1.0))
     task_ids, max_turns = [0], 4
     episodes = play_episodes(domain, task_ids, generate, tokenizer, max_turns=max_turns, max_turn_tokens=8,
                              max_tokens=2048, branching=branching, branch_turns=branch_turns)

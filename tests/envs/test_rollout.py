@@ -11,8 +11,9 @@ import torch
 
 from bounds import chain_bound
 from trl_dta import PrefixTree
-from trl_dta.envs import Generation, layout_sequences, model_generate_fn, play_episodes
-from trl_dta.envs.protocol import render_reply
+from trl_dta.envs import layout_sequences, play_episodes
+from trl_dta.envs.retail.protocol import render_reply
+from trl_dta.generation import Generation, reprefill_generate_fn
 from trl_dta.tiny import build_model
 
 
@@ -141,7 +142,7 @@ def test_tiny_model_end_to_end(domain, tokenizer):
     model = build_model(tokenizer)
     settings = dict(num_generations=2, max_turns=3, max_turn_tokens=10, max_tokens=800)
     torch.manual_seed(0)
-    recorder = Recorder(model_generate_fn(model, tokenizer))
+    recorder = Recorder(reprefill_generate_fn(model, tokenizer))
     episodes = play_episodes(domain, [0, 1], recorder, tokenizer, **settings)
     check_structure(episodes, recorder, domain, tokenizer, 800, 10)
     assert all(0.0 <= e.reward.reward <= 1.0 and e.end_reason in ("max_turns", "user_stop") for e in episodes)
@@ -163,7 +164,7 @@ def test_tiny_model_end_to_end(domain, tokenizer):
         assert (sampled[policy] <= 0).all() and (sampled[~policy] == 0).all()
 
     torch.manual_seed(0)
-    again = play_episodes(domain, [0, 1], model_generate_fn(model, tokenizer), tokenizer, **settings)
+    again = play_episodes(domain, [0, 1], reprefill_generate_fn(model, tokenizer), tokenizer, **settings)
     assert [e.ids for e in again] == [e.ids for e in episodes]
 
     # Episodes of different tasks meet in one tree at the system prompt.

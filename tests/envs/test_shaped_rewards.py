@@ -1,13 +1,13 @@
-"""The shaped rewards (`trl_dta.envs.reward`, `trl_rollout.SHAPED_REWARDS`): hand-computed credits, the columns the
-rollout function hands TRL's reward functions, and the protocol tokenizer."""
+"""The shaped rewards (`trl_dta.envs.retail.reward`, `envs.core.trl.SHAPED_REWARDS`): hand-computed credits, the columns
+the rollout function hands TRL's reward functions, and the protocol tokenizer."""
 
 from __future__ import annotations
 
 import pytest
 
 from trl_dta.envs import SHAPED_REWARDS, arguments_reward, format_reward, outcome_reward, tool_reward
-from trl_dta.envs.protocol import call_format_score, protocol_tokenizer
-from trl_dta.envs.reward import argument_credit, tool_credit
+from trl_dta.envs.core.credits import argument_credit, tool_credit
+from trl_dta.envs.retail.protocol import call_format_score, protocol_tokenizer
 
 
 def test_credits_by_hand():

@@ -1,4 +1,4 @@
-"""The generation seam (`trl_dta/generation/seam.py`) is real: a second `Generator`, written here (plain
+"""The `Generator` protocol (`trl_dta/generation/generator.py`) is real: a second `Generator`, written here (plain
 `model.generate` on whole prompts, no cache), plugs into the trainer's tree rollouts (`TreeRollouts`) and the agent
 rollout function (`AgentRolloutFunc`) through the one place that chooses the implementation
 (`trl_dta.trainers.policy.policy_generator`), without changing either: they sample through it and return its

@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 import torch
 
-from trl_dta.generation import vllm_cpu
+from trl_dta.trainers import vllm_cpu
 
 pytestmark = pytest.mark.vllm
 

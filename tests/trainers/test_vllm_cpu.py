@@ -1,4 +1,4 @@
-"""vLLM's CPU build with the settings of `trl_dta/generation/vllm_cpu.py`: the engine starts in the policy's dtype,
+"""vLLM's CPU build with the settings of `trl_dta/trainers/vllm_cpu.py`: the engine starts in the policy's dtype,
 its log-probs are the policy's, TRL's weight sync loads into it (oneDNN off), and the trainer's thread setting
 survives it."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from trl_dta.generation import vllm_cpu
+from trl_dta.trainers import vllm_cpu
 
 pytestmark = pytest.mark.vllm
 

@@ -149,7 +149,7 @@ def group_label(row: dict, group_field: str, where: str):
 
 # A local tokenizer for the offline case: the byte-level one with TRL's Qwen2.5 chat template that the tau2 adapter
 # uses.
-LOCAL_TOKENIZER_HINT = ("python -c \"from trl_dta.envs.chat import build_chat_tokenizer; "
+LOCAL_TOKENIZER_HINT = ("python -c \"from trl_dta.envs.core.chat import build_chat_tokenizer; "
                         "build_chat_tokenizer().save_pretrained('chat-tokenizer')\" && ... --tokenizer chat-tokenizer")
 
 

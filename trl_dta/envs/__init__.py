@@ -1,38 +1,39 @@
-"""Offline agentic environments: a tau2-style retail customer-service domain and multi-turn rollouts for TRL.
+"""Agentic environments for TRL, by domain: multi-turn tool-use episodes that share a long system prompt (the policy
+document), whose G rollouts per task share the task's opening, and whose per-turn training samples are nested prefixes
+of each other: the workload DTA exists for.
 
-The workload DTA exists for: multi-turn tool-use episodes that share a long system prompt (the policy document),
-whose G rollouts per task share the task's opening, and whose per-turn training samples are nested prefixes of each
-other. Everything runs offline with the tiny model of `trl_dta.tiny`:
+- `core/`: what every domain shares: the rollout loop (`Session`, `run_sessions`, `play_tasks`, `Episode`,
+  `layout_sequences`), chat-template turns (`ChatRenderer`), the bridge to TRL (`episode_columns`, the rollout metrics,
+  the reward functions `episode_reward` and `SHAPED_REWARDS`) and the shaped credits;
+- `retail/`: the offline stand-in, a tau2-style retail domain (`RetailDomain`, `RetailEnv`, `play_episodes`,
+  `build_dataset`, `AgentRolloutFunc`, `RetailToolEnv`), played by the embedded tiny model;
+- `tau2/`: tau2-bench's real domains (`trl-dta[tau2]`, imported only from `trl_dta.envs.tau2`).
 
-- `database`: users and orders, six tools that read and change them (`database.TOOLS`);
-- `policy`: the policy document, the shared system prompt (its length configurable);
-- `tasks`: procedurally generated scenarios with gold actions and required information;
-- `user`: the scripted user simulator, ending calls with `(stop)`;
-- `protocol`: the plain-text turn protocol (`say ...` / `call tool key=value ...`);
-- `reward`: tau2's success criterion with a documented shaped partial credit;
-- `env`: `RetailDomain` (database, policy, tasks) and `RetailEnv` (one episode in text);
-- `rollout`: `play_episodes` (token ids, env mask, turn spans, reward per episode), `model_generate_fn` and
-  `layout_sequences` (the episode and per-turn training sequences);
-- `trl_rollout`: `build_dataset`, `AgentRolloutFunc` (TRL's `rollout_func`), `episode_reward` and the shaped
-  rewards (`SHAPED_REWARDS`: well-formed turns, right tools, right arguments, outcome);
-- `tool_env`: `RetailToolEnv` for TRL's `environment_factory` (hub models with tool-calling templates; not run
-  offline).
+The names below are the public ones of `core/` and `retail/`; a domain imports `core/` only, never another domain.
 """
 
-from .env import RetailDomain, RetailEnv
-from .protocol import Call, Say, parse_turn
-from .reward import RewardBreakdown
-from .rollout import Episode, Generation, Turn, layout_sequences, model_generate_fn, play_episodes
-from .tool_env import RetailToolEnv
-from .trl_rollout import (
+from .core import (
     SHAPED_REWARDS,
-    AgentRolloutFunc,
+    Episode,
+    Turn,
     arguments_reward,
-    build_dataset,
     episode_reward,
     format_reward,
+    layout_sequences,
     outcome_reward,
     tool_reward,
+)
+from .retail import (
+    AgentRolloutFunc,
+    Call,
+    RetailDomain,
+    RetailEnv,
+    RetailToolEnv,
+    RewardBreakdown,
+    Say,
+    build_dataset,
+    parse_turn,
+    play_episodes,
 )
 
 __all__ = [
@@ -40,7 +41,6 @@ __all__ = [
     "AgentRolloutFunc",
     "Call",
     "Episode",
-    "Generation",
     "RetailDomain",
     "RetailEnv",
     "RetailToolEnv",
@@ -52,7 +52,6 @@ __all__ = [
     "episode_reward",
     "format_reward",
     "layout_sequences",
-    "model_generate_fn",
     "outcome_reward",
     "parse_turn",
     "play_episodes",

@@ -1,8 +1,8 @@
-"""Generation for rollouts: the seam every rollout samples the policy through, key/value-cache reuse over a forest of
-sequences, and tree sampling.
+"""Generation for rollouts: the protocol every rollout samples the policy through, key/value-cache reuse over a forest
+of sequences, and tree sampling.
 
-- `seam`: [`Generator`], the protocol (prompt token ids, a budget per prompt, `n` samples each, sampling settings ->
-  [`Generation`]s: token ids and their sampling log-probs; shared prefixes found from the token ids);
+- `generator`: [`Generator`], the protocol (prompt token ids, a budget per prompt, `n` samples each, sampling settings
+  -> [`Generation`]s: token ids and their sampling log-probs; shared prefixes found from the token ids);
 - `prefix_cache`: [`PrefixCache`], the keys/values of a forest of sequences (shared prefixes stored and forwarded once,
   rows that grow, branching for tree samplers, chunked prefill);
 - `attention`: the attention implementation its forwards run (shared nodes, own rows, new tokens, merged by
@@ -17,9 +17,9 @@ sequences, and tree sampling.
   settings it refuses ([`check_generation_config`]).
 """
 
+from .generator import Generation, Generator
 from .prefix_cache import CacheStats, Node, PrefixCache
 from .sampling import CachedGenerate, ReprefillGenerate, count_forward_tokens, reprefill_generate_fn
-from .seam import Generation, Generator
 from .tree_sampling import RolloutTree, TreeSampler, TreeStats, check_generation_config, sample_trees
 from .vllm_generate import VLLMGenerate
 

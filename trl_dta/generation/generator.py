@@ -1,8 +1,8 @@
-"""The generation seam: what every rollout asks of the policy, whatever samples it.
+"""The `Generator` protocol: what every rollout asks of the policy, whatever samples it.
 
 A [`Generator`] is the policy with its sampling settings, for one rollout: token ids in, sampled token ids and their
 sampling log-probs out. Tree rollouts (`tree_sampling.py`, level by level), the multi-turn agent loop
-(`envs/rollout.py`) and TRL's hooks (`trainers/tree_rollouts.py`, `envs/trl_rollout.py`) call only this; which
+(`envs/core/rollout.py`) and TRL's hooks (`trainers/tree_rollouts.py`, `envs/core/trl.py`) call only this; which
 implementation runs is decided in one place (`trainers/policy.py`, from the trainer):
 
 - [`~generation.CachedGenerate`]: transformers' `generate` over a [`~generation.PrefixCache`] (the default);

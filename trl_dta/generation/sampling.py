@@ -1,5 +1,5 @@
-"""The transformers implementations of the generation seam ([`~generation.seam.Generator`]): the policy sampled with
-`model.generate` and TRL's generation settings.
+"""The transformers implementations of the `Generator` protocol ([`~generation.generator.Generator`]): the policy
+sampled with `model.generate` and TRL's generation settings.
 
 A generator takes a batch of token prefixes (each episode's conversation, or each tree node's prompt and segments), a
 token budget per prefix and a number of samples per prefix, and returns the samples. Two implementations, both
@@ -34,8 +34,8 @@ import torch
 from transformers import GenerationConfig
 
 from .._checks import check_int
+from .generator import Generation
 from .prefix_cache import CacheStats, PrefixCache
-from .seam import Generation
 
 
 def effective_generation_config(model, generation_config):
@@ -120,7 +120,7 @@ class _Setup:
 
 
 def _checked(prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], n: int):
-    """The call's rows: each prompt and its budget `n` times (the seam's arguments checked)."""
+    """The call's rows: each prompt and its budget `n` times (the protocol's arguments checked)."""
     if len(prompts) != len(max_new_tokens) or not prompts:
         raise ValueError(f"got {len(prompts)} prompts and {len(max_new_tokens)} budgets (at least one each).")
     n = check_int("n", n, minimum=1)
@@ -128,7 +128,7 @@ def _checked(prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], n:
 
 
 def reprefill_generate_fn(model, tokenizer, generation_config=None, **generation_kwargs) -> ReprefillGenerate:
-    """A [`~generation.seam.Generator`] that calls `model.generate` on the left-padded batch of whole prefixes (no
+    """A [`~generation.generator.Generator`] that calls `model.generate` on the left-padded batch of whole prefixes (no
     reuse): [`ReprefillGenerate`].
 
     The log-probs are those of the processed distribution each token was drawn from (after temperature, top-k,
@@ -145,7 +145,7 @@ def reprefill_generate_fn(model, tokenizer, generation_config=None, **generation
 
 
 class ReprefillGenerate:
-    """`model.generate` on whole prefixes, as a [`~generation.seam.Generator`] (made by [`reprefill_generate_fn`]).
+    """`model.generate` on whole prefixes, as a [`~generation.generator.Generator`] (made by [`reprefill_generate_fn`]).
 
     Attributes:
         stats ([`CacheStats`]): `forward_tokens`: token positions forwarded (padding included); the rest 0.
@@ -162,7 +162,7 @@ class ReprefillGenerate:
 
     def __call__(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *, n: int = 1,
                  settings: GenerationConfig | None = None) -> list[Generation]:
-        """`n` samples per prompt (the [`~generation.seam.Generator`] contract)."""
+        """`n` samples per prompt (the [`~generation.generator.Generator`] contract)."""
         rows, budgets = _checked(prompts, max_new_tokens, n)
         setup = self.setup if settings is None else _Setup.like(self.setup, settings)
         scores = settings is None or bool(settings.output_scores)
@@ -175,7 +175,7 @@ class ReprefillGenerate:
 
 
 class CachedGenerate:
-    """A [`~generation.seam.Generator`] that keeps every episode's keys/values between calls and forwards only new
+    """A [`~generation.generator.Generator`] that keeps every episode's keys/values between calls and forwards only new
     tokens.
 
     Make one per rollout (the cache holds keys/values of the weights it was filled with). A call's prefixes are
@@ -221,8 +221,8 @@ class CachedGenerate:
 
     def __call__(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *, n: int = 1,
                  settings: GenerationConfig | None = None) -> list[Generation]:
-        """`n` samples per prompt (the [`~generation.seam.Generator`] contract): each cut after its first stop token
-        and at its budget, with the processed log-probs of its tokens (with `settings`, if they set
+        """`n` samples per prompt (the [`~generation.generator.Generator`] contract): each cut after its first stop
+        token and at its budget, with the processed log-probs of its tokens (with `settings`, if they set
         `output_scores=True`)."""
         rows, budgets = _checked(prompts, max_new_tokens, n)
         setup = self.setup if settings is None else _Setup.like(self.setup, settings)

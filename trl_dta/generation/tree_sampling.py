@@ -29,9 +29,9 @@ of the prompt (`TreeStats.peak_kv_bytes`; `benchmarks/suites/bench_tree_memory.p
 peaks at 0.24 of independent sampling's key/value memory: twice the prompt, at the moment the prompt moves from the
 rows' buffer into its node). No token of a shared part is forwarded twice.
 
-Every level is one call of the generation seam ([`~generation.seam.Generator`]: each active node's prompt and segments,
-`n` = its children); with transformers' generate (`CachedGenerate`) that is one `model.generate` call over all of the
-level's children (decoded over the cache: transformers builds the logits processors and stopping criteria,
+Every level is one call of the `Generator` protocol ([`~generation.generator.Generator`]: each active node's prompt and
+segments, `n` = its children); with transformers' generate (`CachedGenerate`) that is one `model.generate` call over all
+of the level's children (decoded over the cache: transformers builds the logits processors and stopping criteria,
 `CachedGenerate` runs its sampling loop) with the settings `generate`
 would use for TRL's own sampling ([`effective_generation_config`]: the trainer's `generation_config` over the model's
 `generation_config.json`), only `max_new_tokens` and, when set, `min_new_tokens` adapted to the level
@@ -66,8 +66,8 @@ from types import SimpleNamespace
 import torch
 from transformers import GenerationConfig
 
+from .generator import Generator
 from .sampling import CachedGenerate, effective_generation_config
-from .seam import Generator
 
 # GenerationConfig attributes whose effect depends on where a `generate` call starts (its input length, its
 # `max_length`, its wall clock), or that do not sample the policy, so a tree of segment-wise calls would not sample
@@ -268,7 +268,7 @@ def sample_tree_levels(
     the budget or is at the last level.
 
     Args:
-        generator ([`~generation.seam.Generator`]): the policy, for this call only (its shared prefixes are the
+        generator ([`~generation.generator.Generator`]): the policy, for this call only (its shared prefixes are the
             tree's).
         generation_config (`transformers.GenerationConfig`): the settings each level's call adapts (a trainer's:
             `generator.generation_config`).
@@ -326,8 +326,8 @@ def sample_tree_levels(
 class TreeSampler:
     """The settings of a rollout's tree sampling, as plain values: what [`sample_trees`] needs besides the model and
     the prompts (the trainer hook reads them from TRL's state once, at construction). [`sample`] samples through any
-    [`~generation.seam.Generator`] (the trainer's policy, `trainers/policy.py`), with the generator's sampling settings;
-    calling the sampler with a model samples through a [`~generation.CachedGenerate`] of it with these.
+    [`~generation.generator.Generator`] (the trainer's policy, `trainers/policy.py`), with the generator's sampling
+    settings; calling the sampler with a model samples through a [`~generation.CachedGenerate`] of it with these.
 
     Args:
         branching (`tuple[int, ...]`): children per level (`dta_tree_branching`).

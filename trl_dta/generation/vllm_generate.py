@@ -1,15 +1,17 @@
-"""The vLLM implementation of the generation seam ([`~generation.seam.Generator`]): the policy sampled by a vLLM engine
-(TRL's colocated `LLM`, `GRPOConfig(use_vllm=True, vllm_mode="colocate")`), prompts handed over as token ids.
+"""The vLLM implementation of the `Generator` protocol ([`~generation.generator.Generator`]): the policy sampled by a
+vLLM engine (TRL's colocated `LLM`, `GRPOConfig(use_vllm=True, vllm_mode="colocate")`), prompts handed over as token
+ids.
 
-One seam call is one `LLM.generate` call. A prompt sampled `n` times is `n` requests on the same token ids, which is
-what vLLM itself makes of `SamplingParams(n=...)` (its `ParentRequest` fans out `n` child requests on one prompt); they
-are submitted as such so that each request's own counters come back (an `n`-sample `RequestOutput` reports one child's
+One `Generator` call is one `LLM.generate` call. A prompt sampled `n` times is `n` requests on the same token ids, which
+is what vLLM itself makes of `SamplingParams(n=...)` (its `ParentRequest` fans out `n` child requests on one prompt);
+they are submitted as such so that each request's own counters come back (an `n`-sample `RequestOutput` reports one
+child's
 cache hits only):
 
 ```
-seam call: prompts [p0, p1], max_new_tokens [4, 7], n=2
+generator call: prompts [p0, p1], max_new_tokens [4, 7], n=2
 LLM.generate([p0, p0, p1, p1], [SamplingParams(max_tokens=4), same, SamplingParams(max_tokens=7), same])
-             -> [g0, g1, g2, g3]  (prompt-major, as the seam returns them)
+             -> [g0, g1, g2, g3]  (prompt-major, as a `Generator` returns them)
 ```
 
 Shared prefixes are vLLM's automatic prefix caching: the engine hashes each full block of prompt tokens and serves a
@@ -32,7 +34,7 @@ truncations: vLLM's `processed_logprobs` mode, which TRL sets on its colocated e
 [`VLLMGenerate`] requires, since raw log-probs would mean another distribution than the transformers generators').
 
 What vLLM needs on a CPU (its key/value space, eager mode, the policy's dtype, oneDNN off for weight syncs) is set where
-the engine is built (`trl_dta/vllm_cpu.py`), not here: this module only samples an engine it is given.
+the engine is built (`trainers/vllm_cpu.py`), not here: this module only samples an engine it is given.
 """
 
 from __future__ import annotations
@@ -43,9 +45,9 @@ from typing import Any
 
 from transformers import GenerationConfig
 
+from .generator import Generation
 from .prefix_cache import CacheStats
 from .sampling import _checked
-from .seam import Generation
 
 
 def _stop_ids(value) -> list[int]:
@@ -113,7 +115,7 @@ def sampling_params(settings: GenerationConfig, max_tokens: int, extra: dict | N
 
 
 class VLLMGenerate:
-    """A [`~generation.seam.Generator`] over a vLLM engine (see the module docstring).
+    """A [`~generation.generator.Generator`] over a vLLM engine (see the module docstring).
 
     Unlike the transformers generators it holds no keys/values itself: the engine's prefix cache does, across
     generators and calls (so one made per rollout costs nothing), and it samples the weights the engine holds (a
@@ -155,7 +157,8 @@ class VLLMGenerate:
 
     def __call__(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *, n: int = 1,
                  settings: GenerationConfig | None = None) -> list[Generation]:
-        """`n` samples per prompt (the [`~generation.seam.Generator`] contract), each with its sampling log-probs."""
+        """`n` samples per prompt (the [`~generation.generator.Generator`] contract), each with its sampling
+        log-probs."""
         rows, budgets = _checked(prompts, max_new_tokens, n)
         config = self._config if settings is None else settings
         stop = set(_stop_ids(config.eos_token_id))

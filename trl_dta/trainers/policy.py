@@ -1,6 +1,7 @@
 """The trainer's policy as a [`~trl_dta.generation.Generator`]: the one place that knows how TRL holds the model for
 generation and which generator samples it. Tree rollouts (`tree_rollouts.py`) and the rollout functions
-(`envs/trl_rollout.py`, `envs/tau2/trl.py`) take their generator from here, chosen from the trainer:
+(`envs/core/trl.py`, for the stand-in's and tau2's rollout functions) take their generator from here, chosen from the
+trainer:
 
 | trainer                                   | generator                                                            |
 |-------------------------------------------|----------------------------------------------------------------------|

@@ -1,12 +1,12 @@
 """The trainers' vLLM engine: TRL builds it (`use_vllm=True`); this module adds what vLLM's CPU build needs to that
-construction (`generation/vllm_cpu.py` holds the settings and why) and refuses server mode where its weight sync
+construction (`vllm_cpu.py` beside it holds the settings and why) and refuses server mode where its weight sync
 cannot work. On a GPU both are no-ops: TRL's engine is built exactly as TRL builds it."""
 
 from __future__ import annotations
 
 import contextlib
 
-from . import _trl
+from . import _trl, vllm_cpu
 
 
 def colocated_engine(trainer, args) -> contextlib.AbstractContextManager:
@@ -22,8 +22,6 @@ def colocated_engine(trainer, args) -> contextlib.AbstractContextManager:
         a context manager (a no-op without colocated vLLM, or without vLLM installed: TRL's `ImportError` then says how
         to install it).
     """
-    from ..generation import vllm_cpu
-
     if not (args.use_vllm and args.vllm_mode == "colocate" and vllm_cpu.vllm_available()):
         return contextlib.nullcontext()
 
@@ -40,11 +38,9 @@ def colocated_engine(trainer, args) -> contextlib.AbstractContextManager:
 
 def check_vllm_mode(args) -> None:
     """Refuses `vllm_mode="server"` without CUDA before TRL's client connects (its weight sync needs NCCL); see
-    [`~trl_dta.generation.vllm_cpu.check_server_mode`]."""
+    [`~trl_dta.trainers.vllm_cpu.check_server_mode`]."""
     if args.use_vllm:
-        from ..generation.vllm_cpu import check_server_mode
-
-        check_server_mode(args.vllm_mode)
+        vllm_cpu.check_server_mode(args.vllm_mode)
 
 
 def close_colocated_engine(trainer) -> None:

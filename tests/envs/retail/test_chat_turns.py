@@ -1,12 +1,13 @@
-"""The stand-in's protocol in a chat template (`envs.chat_turns`): prompts, replies, whole episodes, refusals."""
+"""The stand-in's protocol in a chat template (`envs.retail.chat_turns`): prompts, replies, whole episodes, refusals."""
 
 from __future__ import annotations
 
 import pytest
 
-from trl_dta.envs import Generation, RetailDomain, play_episodes
-from trl_dta.envs.chat import build_chat_tokenizer
-from trl_dta.envs.chat_turns import DEMONSTRATION, ChatTurns, chat_suffix_ids
+from trl_dta.envs import RetailDomain, play_episodes
+from trl_dta.envs.core.chat import build_chat_tokenizer
+from trl_dta.envs.retail.chat_turns import DEMONSTRATION, ChatTurns, chat_suffix_ids
+from trl_dta.generation import Generation
 from trl_dta.tiny import build_tokenizer
 
 # SmolLM2-Instruct's own chat template (ChatML without tools), as its tokenizer ships it.
@@ -96,7 +97,7 @@ def test_refuses_a_tokenizer_without_a_template(retail):
 def test_a_chatml_template_without_tools_gets_trls_qwen2_5_template():
     """SmolLM2's template renders no tools: `ensure_tool_template` swaps in TRL's Qwen2.5 template, which renders plain
     messages with a system prompt exactly as SmolLM2's does; a template with tools is kept, a non-ChatML one refused."""
-    from trl_dta.envs.chat import ChatRenderer, ensure_tool_template
+    from trl_dta.envs.core.chat import ChatRenderer, ensure_tool_template
 
     tokenizer = build_chat_tokenizer("qwen2_5")
     qwen = tokenizer.chat_template

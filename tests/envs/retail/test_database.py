@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trl_dta.envs.database import (
+from trl_dta.envs.retail.database import (
     CANCELLED,
     DELIVERED,
     PENDING,

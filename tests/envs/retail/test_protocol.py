@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from trl_dta.envs.protocol import Call, ProtocolError, Say, parse_turn, protocol_score, render_prompt, render_reply
+from trl_dta.envs.retail.protocol import (
+    Call,
+    ProtocolError,
+    Say,
+    parse_turn,
+    protocol_score,
+    render_prompt,
+    render_reply,
+)
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,9 @@ import pytest
 
 pytest.importorskip("tau2", reason='tau2-bench is not installed: pip install "trl-dta[tau2]"')
 
-from trl_dta.envs.chat import ChatRenderer, build_chat_tokenizer  # noqa: E402
-from trl_dta.envs.rollout import Generation  # noqa: E402
+from trl_dta.envs.core.chat import ChatRenderer, build_chat_tokenizer  # noqa: E402
 from trl_dta.envs.tau2 import Tau2Domain  # noqa: E402
+from trl_dta.generation import Generation  # noqa: E402
 
 _DOMAINS: dict[str, Tau2Domain] = {}
 

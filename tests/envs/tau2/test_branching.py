@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trl_dta.envs import model_generate_fn
 from trl_dta.envs.tau2 import Tau2Session, play_tau2_episodes
+from trl_dta.generation import reprefill_generate_fn
 from trl_dta.tiny import build_model
 
 from .conftest import renderer_for, turn_ids
@@ -65,7 +65,7 @@ def test_episodes_share_first_turns_then_diverge(mock, chat_tokenizer, branching
     torch.manual_seed(0)
     model = build_model(chat_tokenizer, hidden_size=32, max_position_embeddings=8192)
     renderer = renderer_for(mock, chat_tokenizer)
-    generate = model_generate_fn(model, chat_tokenizer, temperature=1.0, top_k=0, top_p=1.0)
+    generate = reprefill_generate_fn(model, chat_tokenizer, temperature=1.0, top_k=0, top_p=1.0)
     calls = []
 
     def counting(prefixes, budgets):
@@ -102,7 +102,7 @@ def test_ended_episodes_stand_for_their_rows(mock, chat_tokenizer):
     task = mock.tasks[0]
 
     def one_turn(prefixes, budgets):
-        from trl_dta.envs.rollout import Generation
+        from trl_dta.generation import Generation
 
         return [Generation(turn_ids(chat_tokenizer, "Hello, how can I help?")[:b], None) for b in budgets]
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from trl_dta.envs.chat import ChatRenderer
-from trl_dta.envs.rollout import Generation
+from trl_dta.envs.core.chat import ChatRenderer
 from trl_dta.envs.tau2 import build_tau2_dataset, gold_demonstration, play_tau2_episodes
+from trl_dta.generation import Generation
 
 from .conftest import get_domain
 

@@ -96,7 +96,7 @@ class ChatRenderer:
 
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; use a chat model's tokenizer, or "
-                             "`trl_dta.envs.chat.build_chat_tokenizer()` offline.")
+                             "`trl_dta.envs.core.chat.build_chat_tokenizer()` offline.")
         if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema",
                                                                              None) is None:
             tokenizer = add_response_schema(tokenizer)

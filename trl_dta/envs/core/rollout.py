@@ -15,9 +15,10 @@ training sequence per episode, environment tokens masked: TRL's `env_mask`) and 
 turn, `ids[:e_k]`, completion = the turn) come from the same record; the per-turn sequences of an episode are nested
 prefixes of each other, and all episodes of a domain share the system prompt.
 
-The loop is domain-free ([`run_sessions`] over [`Session`]s: prompt ids, `step(turn ids) -> reply ids`); the
-stand-in retail domain's text protocol is one kind of session ([`play_episodes`]), tau2-bench's chat-template
-episodes another (`trl_dta.envs.tau2.episode`). Episodes run in lockstep: each round asks the generator for one
+The loop is domain-free ([`run_sessions`] over [`Session`]s: prompt ids, `step(turn ids) -> reply ids`), and so is
+an episode's set-up ([`play_tasks`]: sessions per task, the loop, the grading, timed); the stand-in retail domain's
+text protocol is one kind of session (`trl_dta.envs.retail.episode`), tau2-bench's chat-template episodes another
+(`trl_dta.envs.tau2.episode`). Episodes run in lockstep: each round asks the generator for one
 turn of every unfinished episode in one batch. The last token of an episode is always a policy token: the reply
 that ends an episode (the user's `(stop)`, or the answer to the last allowed turn) stays in `messages` but is not
 tokenized, as nothing would be generated after it.
@@ -40,21 +41,18 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from .._checks import check_int
-from ..batch import SAMPLE_LAYOUTS
-from ..generation import Generation, Generator, reprefill_generate_fn  # noqa: F401 (Generation re-exported)
-from .env import RetailDomain, RetailEnv
-from .protocol import render_reply
-from .reward import RewardBreakdown  # noqa: F401 (documented type of Episode.reward)
+from ..._checks import check_int
+from ...batch import SAMPLE_LAYOUTS
+from ...generation import Generator
 
 
 @runtime_checkable
 class CopyableEnv(Protocol):
-    """What tree rollouts need of an episode's environment (`RetailEnv` implements it; a tau2 adapter should too).
+    """What tree rollouts need of an episode's environment (`RetailEnv` and `Tau2Session` implement it).
 
     - `step(turn: str) -> (role, text)`: play one agent turn, answer it;
     - `done: bool`, `stop(reason)`, `messages`, `end_reason`, `reward()`: as `RetailEnv`;
@@ -89,7 +87,8 @@ def check_copyable(env) -> None:
     if not callable(getattr(env, "copy", None)):
         raise ValueError(
             f"tree rollouts branch episodes by copying their environment, but {type(env).__name__} has no `copy()` "
-            "(see `trl_dta.envs.rollout.CopyableEnv`): implement it, or play independent episodes (`branching=None`)."
+            "(see `trl_dta.envs.core.rollout.CopyableEnv`): implement it, or play independent episodes "
+            "(`branching=None`)."
         )
 
 
@@ -116,8 +115,8 @@ class Episode:
         turns (`list[Turn]`): the agent turns, in order.
         messages (`list[tuple[str, str]]`): the conversation after the prompt as text, `(role, text)`.
         end_reason (`str`): `"user_stop"`, `"max_turns"` or `"max_tokens"`.
-        reward: the episode's grade: a [`RewardBreakdown`] for the stand-in retail domain, tau2's `RewardInfo` for
-            the tau2 domains (both have `.reward`).
+        reward: the episode's grade: a `RewardBreakdown` for the stand-in retail domain (`envs.retail.reward`),
+            tau2's `RewardInfo` for the tau2 domains (both have `.reward`).
         shaped (`dict[str, float]`, *optional*): tau2 episodes: the shaped credits (`call_format`, `tools`,
             `arguments`; the stand-in's are in its `RewardBreakdown`).
     """
@@ -175,7 +174,12 @@ def run_sessions(
     Args:
         sessions (`Sequence[Session]`): fresh episodes, one per rollout.
         task_ids (`Sequence`): the task of each session (kept in `Episode.task_id`).
-        generate ([`~trl_dta.generation.Generator`]): see [`play_episodes`].
+        generate ([`~trl_dta.generation.Generator`]): the policy; the loop calls only
+            `generate(prefixes, max_new_tokens) -> list[Generation]` (one sample per prefix, so any function of that
+            signature serves), one turn per prefix, at most `max_new_tokens[i]` (and at least one) token ids each,
+            normally ending with the end-of-turn token (e.g. [`~trl_dta.generation.reprefill_generate_fn`]). A later
+            call's prefixes extend an earlier call's prefixes and turns, and branching episodes repeat a prefix: shared
+            prefixes a generator can reuse.
         max_turn_tokens (`int`, *optional*, defaults to `64`): tokens per policy turn.
         max_tokens (`int`, *optional*, defaults to `1024`): tokens per episode, prompt included.
         branching (`Sequence[int]`, *optional*): tree rollouts: children per level; `sessions` then hold
@@ -238,70 +242,35 @@ def run_sessions(
     return episodes, sessions
 
 
-class _TextSession:
-    """A retail episode ([`RetailEnv`]) in the plain-text protocol, as a [`Session`]."""
-
-    def __init__(self, env: RetailEnv, prompt_ids: list[int], tokenizer, chat=None):
-        self.env, self.prompt_ids, self.tokenizer, self.chat = env, prompt_ids, tokenizer, chat
-
-    @property
-    def done(self) -> bool:
-        return self.env.done
-
-    def step(self, turn_ids: list[int]) -> list[int]:
-        role, text = self.env.step(self.tokenizer.decode(turn_ids, skip_special_tokens=True))
-        if self.env.done:
-            return []
-        if self.chat is not None:
-            return self.chat.reply_ids(role, text)
-        return self.tokenizer(render_reply(role, text), add_special_tokens=False)["input_ids"]
-
-    def stop(self, reason: str) -> None:
-        self.env.stop(reason)
-
-    def copy(self) -> _TextSession:
-        """The same episode from here on, in an independent environment (tree rollouts)."""
-        return _TextSession(self.env.copy(), self.prompt_ids, self.tokenizer, self.chat)
-
-
-def play_episodes(
-    domain: RetailDomain,
-    task_ids: Sequence[int],
+def play_tasks(
+    task_ids: Sequence,
+    new_session: Callable[[object], Session],
     generate: Generator,
-    tokenizer,
+    grade: Callable[[Episode, Session], None],
     *,
     num_generations: int = 1,
-    max_turns: int = 8,
     max_turn_tokens: int = 64,
     max_tokens: int = 1024,
     branching: Sequence[int] | None = None,
     branch_turns: int = 1,
     timings: dict | None = None,
-    chat=None,
 ) -> list[Episode]:
-    """Plays `num_generations` episodes of every task of the stand-in retail domain with the policy behind `generate`
-    (or, with `branching`, a tree of `prod(branching)` episodes per task, see the module docstring).
+    """Plays `num_generations` episodes of every task (or, with `branching`, a tree of `prod(branching)` episodes per
+    task, see the module docstring): the episode set-up every domain shares, around [`run_sessions`].
 
     Args:
-        domain ([`~envs.env.RetailDomain`]): the domain.
-        task_ids (`Sequence[int]`): the tasks; repeats are allowed (TRL passes each prompt `num_generations` times).
-        generate ([`~trl_dta.generation.Generator`]): the policy; the loop calls only
-            `generate(prefixes, max_new_tokens) -> list[Generation]` (one sample per prefix, so any function of that
-            signature serves), one turn per prefix, at most `max_new_tokens[i]` (and at least one) token ids each,
-            normally ending with the end-of-turn token; see [`model_generate_fn`]. A later call's prefixes extend an
-            earlier call's prefixes and turns, and branching episodes repeat a prefix: shared prefixes a generator can
-            reuse.
-        tokenizer: the policy's tokenizer (prompt with special tokens, replies without; turns decoded without).
+        task_ids (`Sequence`): the tasks; repeats are allowed (TRL passes each prompt `num_generations` times).
+        new_session (`Callable`): `new_session(task_id) -> Session`, a fresh episode of the task (with `branching`,
+            one that has `copy()`, see [`CopyableEnv`]).
+        generate ([`~trl_dta.generation.Generator`]): the policy (see [`run_sessions`]).
+        grade (`Callable`): `grade(episode, session)`, called once per played episode: fills the episode's
+            `messages`, `end_reason`, `reward` (and `shaped`) from its session.
         num_generations (`int`, *optional*, defaults to `1`): episodes per task.
-        max_turns (`int`, *optional*, defaults to `8`): agent turns per episode.
-        max_turn_tokens (`int`, *optional*, defaults to `64`): tokens per agent turn (the longest gold call of the
-            retail domain is about 50 characters).
+        max_turn_tokens (`int`, *optional*, defaults to `64`): tokens per policy turn.
         max_tokens (`int`, *optional*, defaults to `1024`): tokens per episode, prompt included.
         branching (`Sequence[int]`, *optional*): tree rollouts: episodes per level (`num_generations` must be 1).
-        branch_turns (`int`, *optional*, defaults to `1`): agent turns per level before each branch point.
-        timings (`dict`, *optional*): receives `"reward_s"`, the seconds spent grading.
-        chat ([`~envs.chat_turns.ChatTurns`], *optional*): play the protocol in a chat model's template (prompts and
-            replies rendered as chat messages); `None`: the plain-text protocol (`envs.protocol`).
+        branch_turns (`int`, *optional*, defaults to `1`): policy turns per level before each branch point.
+        timings (`dict`, *optional*): receives `"reward_s"`, the seconds spent in `grade`.
 
     Returns:
         `list[Episode]`: `len(task_ids) * num_generations` episodes (`len(task_ids) * prod(branching)` with
@@ -314,38 +283,20 @@ def play_episodes(
                          f"(got {num_generations}).")
     sessions, ids = [], []
     for task_id in task_ids:
-        prompt_ids = tokenizer(domain.prompt(task_id))["input_ids"] if chat is None else chat.prompt_ids(task_id)
         for _ in range((branching or [num_generations])[0]):
-            env = domain.episode(task_id, max_turns=max_turns)
+            sessions.append(new_session(task_id))
             if branching is not None:
-                check_copyable(env)
-            sessions.append(_TextSession(env, prompt_ids, tokenizer, chat))
-            ids.append(domain.task(task_id).task_id)
+                check_copyable(sessions[-1])
+            ids.append(task_id)
     episodes, sessions = run_sessions(sessions, ids, generate, max_turn_tokens=max_turn_tokens, max_tokens=max_tokens,
                                       branching=branching, branch_turns=branch_turns)
     start = time.perf_counter()
     for episode, session in zip(episodes, sessions):
-        env = session.env
-        episode.messages, episode.end_reason, episode.reward = list(env.messages), env.end_reason, env.reward()
+        grade(episode, session)
     if timings is not None:
         timings["reward_s"] = time.perf_counter() - start
     return episodes
 
-
-def episode_columns(episodes: Sequence[Episode], **extra: list) -> dict[str, list]:
-    """TRL's `rollout_func` output for played episodes, any domain (the episode layout; DTA's `per_turn` cuts it by
-    turns): prompt / completion ids, sampling log-probs (zeros where the generator gave none), `env_mask`, the turn
-    spans and end reasons, plus the domain's own `extra` columns (its rewards), one value per episode."""
-    return {
-        "prompt_ids": [e.ids[:e.prompt_length] for e in episodes],
-        "completion_ids": [e.ids[e.prompt_length:] for e in episodes],
-        "logprobs": [e.logprobs[e.prompt_length:] if e.logprobs is not None else [0.0] * (len(e.ids) - e.prompt_length)
-                     for e in episodes],
-        "env_mask": [e.env_mask[e.prompt_length:] for e in episodes],
-        **extra,
-        "turn_spans": [[[t.start, t.end] for t in e.turns] for e in episodes],
-        "end_reason": [e.end_reason for e in episodes],
-    }
 
 def _branch(episodes: list[Episode], sessions: list, levels: list[int], branching: list[int], branch_turns: int):
     """Copy every unfinished episode that reached its next branch point (`branch_turns` agent turns per level) into
@@ -362,9 +313,6 @@ def _branch(episodes: list[Episode], sessions: list, levels: list[int], branchin
     return out_episodes, out_sessions, out_levels
 
 
-LAYOUTS = SAMPLE_LAYOUTS
-
-
 def layout_sequences(episodes: Sequence[Episode], layout: str) -> list[list[int]]:
     """The training sequences of a batch of episodes in one of the two layouts.
 
@@ -377,15 +325,8 @@ def layout_sequences(episodes: Sequence[Episode], layout: str) -> list[list[int]
     Returns:
         `list[list[int]]`: the sequences, episode by episode (and turn by turn).
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"`layout` must be one of {LAYOUTS}, got {layout!r}.")
+    if layout not in SAMPLE_LAYOUTS:
+        raise ValueError(f"`layout` must be one of {SAMPLE_LAYOUTS}, got {layout!r}.")
     if layout == "episode":
         return [list(e.ids) for e in episodes]
     return [e.ids[:turn.end] for e in episodes for turn in e.turns]
-
-
-def model_generate_fn(model, tokenizer, generation_config=None, **generation_kwargs) -> Generator:
-    """A [`~trl_dta.generation.Generator`] that samples turns with `model.generate` on the whole prefixes (the
-    re-prefill path, see `trl_dta.generation.sampling`); [`~trl_dta.generation.CachedGenerate`] samples the same turns
-    forwarding each token once."""
-    return reprefill_generate_fn(model, tokenizer, generation_config, **generation_kwargs)

@@ -21,9 +21,9 @@ import copy
 import re
 from functools import cached_property
 
-from .._checks import check_int
+from ..._checks import check_int
 from .database import Database, Session, generate_database, run_tool
-from .policy import policy_document
+from .policy_document import policy_document
 from .protocol import AGENT, TOOL, USER, Call, ProtocolError, Say, named_tool, parse_turn, render_prompt
 from .reward import RewardBreakdown, compute_reward, info_said
 from .tasks import Task, generate_task, gold_database
@@ -163,7 +163,7 @@ class RetailEnv:
     def copy(self) -> RetailEnv:
         """An independent copy of the episode as it stands: same database, tool session, user state and conversation;
         what either does next never reaches the other. Tree rollouts branch an episode at a turn boundary with it
-        (`play_episodes(..., branching=...)`; the protocol: `trl_dta.envs.rollout.CopyableEnv`)."""
+        (`play_episodes(..., branching=...)`; the protocol: `trl_dta.envs.core.rollout.CopyableEnv`)."""
         twin = copy.copy(self)
         twin.db = self.db.copy()
         twin.session = copy.deepcopy(self.session)
@@ -183,6 +183,6 @@ class RetailEnv:
         return self.domain.gold_database(self.task.task_id)
 
     def reward(self) -> RewardBreakdown:
-        """The episode's reward so far (see `envs.reward`); final once `done`."""
+        """The episode's reward so far (see `envs.retail.reward`); final once `done`."""
         return compute_reward(self.db, self._gold, self.task.required_info, self.task.gold_actions, self._turns,
                               self._said, self._executed, self._attempted)

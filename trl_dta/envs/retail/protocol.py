@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..core.credits import common_prefix
 from .database import TOOLS
 
 AGENT, USER, TOOL = "agent", "user", "tool"
@@ -112,8 +113,8 @@ def parse_turn(text: str) -> Say | Call:
 
 def named_tool(text: str) -> str | None:
     """The tool a one-line `call` turn names, whether or not its arguments parse (`call get-order order=o2, thanks`
-    names `get-order`); `None` for any other turn. The shaped tool credit reads it (`envs.reward.tool_credit`): the
-    right tool is credited on its own, the arguments and the form by their own credits."""
+    names `get-order`); `None` for any other turn. The shaped tool credit reads it (`envs.core.credits.tool_credit`):
+    the right tool is credited on its own, the arguments and the form by their own credits."""
     line = text.strip()
     keyword, _, rest = line.partition(" ")
     words = rest.split()
@@ -137,7 +138,7 @@ def protocol_score(text: str) -> float:
         `float`: the score.
     """
     line = text.strip()
-    prefix = max(_common_prefix(line, keyword) / len(keyword) for keyword in _KEYWORDS)
+    prefix = max(common_prefix(line, keyword) / len(keyword) for keyword in _KEYWORDS)
     try:
         action = parse_turn(text)
     except ProtocolError:
@@ -158,7 +159,7 @@ def call_format_score(text: str) -> float:
     try:
         action = parse_turn(text)
     except ProtocolError:
-        return 0.5 * _common_prefix(line, f"{CALL} ") / len(f"{CALL} ")
+        return 0.5 * common_prefix(line, f"{CALL} ") / len(f"{CALL} ")
     if isinstance(action, Say):
         return 0.25
     spec = TOOLS.get(action.tool)
@@ -167,20 +168,13 @@ def call_format_score(text: str) -> float:
     return 1.0 if set(action.kwargs) == set(spec.params) else 0.75
 
 
-def _common_prefix(a: str, b: str) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
 def protocol_tokenizer():
     """The tiny character-level tokenizer (`trl_dta.tiny.build_tokenizer`) with the protocol's words as single tokens:
     `say `, `call ` and the six tool names, as a chat model's tokenizer has its tool-call tokens. A random model then
     starts a well-formed turn with one right token instead of four or five right characters in a row, which the
     agent recipe's shaped rewards can teach a tiny model within a few minutes; every other text is still spelled
     character by character, and `decode(encode(text)) == text`."""
-    from ..tiny import build_tokenizer
+    from ...tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     tokenizer.add_tokens([f"{SAY} ", f"{CALL} ", *TOOLS])

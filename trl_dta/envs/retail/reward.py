@@ -22,16 +22,17 @@ Partial credit is at most `0.5` (reached only by a perfect-looking episode that 
 success outranks any failure; a failure that breaks the database (say by
 cancelling the wrong order) keeps its partial credit but can never succeed.
 
-Shaped rewards (the recipe's default, as TRL's several `reward_funcs`, `trl_rollout.SHAPED_REWARDS`) split the
+Shaped rewards (the recipe's default, as TRL's several `reward_funcs`, `envs.core.trl.SHAPED_REWARDS`) split the
 same path to success into signals a random tiny model meets early, each in `[0, 1]` and logged on its own:
 
 - `call_format`: well-formed tool calls, the mean over turns of `protocol.call_format_score` (a `say` turn 0.25, a
   call 0.5 to 1.0 as its tool and parameter names are right, partial credit for starting with `call `);
 - `tools`: per gold action, the best share of its tool name that one of the agent's calls starts with (`find-u` for
-  `find-user` earns 6/9), averaged over the gold actions: [`tool_credit`]; a call whose arguments do not parse still
-  names its tool (`protocol.named_tool`: `call get-order order=o2, thanks` calls `get-order` with no arguments);
+  `find-user` earns 6/9), averaged over the gold actions: `envs.core.credits.tool_credit`; a call whose arguments do not
+  parse still names its tool (`protocol.named_tool`: `call get-order order=o2, thanks` calls `get-order` with no
+  arguments);
 - `arguments`: the share of the gold calls' `key=value` pairs that some call of the same tool passed (attempted
-  calls count, successful or not): [`argument_credit`];
+  calls count, successful or not): `envs.core.credits.argument_credit`;
 - on a task without gold calls (solved by talking: 2 of tau2 mock's 9 tasks) both are 1 when the agent called nothing
   and 0 when it called anything: there, any call is a mistake, and no call earns credit it did not make;
 - `success`: tau2's outcome, 0 or 1.
@@ -44,8 +45,9 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..core.credits import argument_credit, tool_credit
 from .database import Database
-from .protocol import Call, _common_prefix, call_format_score, protocol_score
+from .protocol import Call, call_format_score, protocol_score
 
 PARTIAL_SCALE = 0.5
 PROTOCOL_WEIGHT, ACTIONS_WEIGHT, INFO_WEIGHT = 0.2, 0.5, 0.3
@@ -93,31 +95,6 @@ def actions_done(gold: Sequence[Call], executed: Sequence[Call]) -> float:
     return sum((Counter(gold) & Counter(executed)).values()) / len(gold)
 
 
-def tool_credit(gold: Sequence[tuple[str, dict]], called: Sequence[tuple[str, dict]]) -> float:
-    """Per gold call, the largest `common prefix / len(gold tool name)` over the tool names of `called` (the
-    agent's attempted calls, `(tool, arguments)`), averaged over `gold`. Without gold calls (a task solved by
-    talking, e.g. 2 of tau2 mock's 9 tasks) the right thing is to call nothing: `1.0` if nothing was called, else
-    `0.0`."""
-    if not gold:
-        return float(not called)
-    return sum(max((_common_prefix(tool, name) / len(name) for tool, _ in called), default=0.0)
-               for name, _ in gold) / len(gold)
-
-
-def argument_credit(gold: Sequence[tuple[str, dict]], called: Sequence[tuple[str, dict]]) -> float:
-    """The share of the gold calls' `(tool, key, value)` triples that some call of `called` to that tool passed.
-    Gold calls without arguments have nothing to pass: the credit is then the share of them whose tool was called
-    (exact name), and without gold calls `1.0` if nothing was called, else `0.0` (as [`tool_credit`])."""
-    if not gold:
-        return float(not called)
-    wanted = [(name, key, str(value)) for name, args in gold for key, value in args.items()]
-    if not wanted:
-        names = {tool for tool, _ in called}
-        return sum(name in names for name, _ in gold) / len(gold)
-    passed = {(tool, key, str(value)) for tool, args in called for key, value in args.items()}
-    return sum(triple in passed for triple in wanted) / len(wanted)
-
-
 def compute_reward(
     final_db: Database,
     gold_db: Database,
@@ -131,8 +108,8 @@ def compute_reward(
     """Scores one finished episode.
 
     Args:
-        final_db ([`~envs.database.Database`]): the database at the end of the episode.
-        gold_db ([`~envs.database.Database`]): the database after the gold actions.
+        final_db ([`~envs.retail.database.Database`]): the database at the end of the episode.
+        gold_db ([`~envs.retail.database.Database`]): the database after the gold actions.
         required_info (`Sequence[str]`): words the agent must say.
         gold_actions (`Sequence[Call]`): the task's gold calls.
         turns (`Sequence[str]`): every agent turn as decoded.

@@ -120,7 +120,7 @@ def generate_task(db: Database, task_id: int, seed: int) -> Task:
     """Draws task `task_id` of the domain with database `db` and seed `seed` (the same arguments give the same task).
 
     Args:
-        db ([`~envs.database.Database`]): the domain's initial database (not changed).
+        db ([`~envs.retail.database.Database`]): the domain's initial database (not changed).
         task_id (`int`): the task's index, `>= 0`.
         seed (`int`): the domain's seed.
 

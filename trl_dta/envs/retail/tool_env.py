@@ -13,7 +13,7 @@ trainer = GRPOTrainer(model="Qwen/Qwen3-0.6B", environment_factory=partial(Retai
 TRL's tool loop has tool turns but no user turns, so the simulated user never speaks there: the model gets the
 system prompt and the user's opening, and `get_reward` scores the database only (1.0 when it equals the gold
 database). Whether the required information was said is in the completion text, which the environment does not see;
-a reward function can check it with `envs.reward.info_said`. This path needs a model with a tool-calling chat
+a reward function can check it with `envs.retail.reward.info_said`. This path needs a model with a tool-calling chat
 template, hence the hub: it is not exercised by the offline tests (they check that TRL would find exactly the six
 tools and that transformers can build their JSON schemas). The offline path is the text protocol with
 `AgentRolloutFunc`.
@@ -29,7 +29,7 @@ class RetailToolEnv:
     """One rollout's retail episode behind TRL's environment interface.
 
     Args:
-        domain ([`~envs.env.RetailDomain`], *optional*): the domain; defaults to `RetailDomain()`.
+        domain ([`~envs.retail.env.RetailDomain`], *optional*): the domain; defaults to `RetailDomain()`.
     """
 
     def __init__(self, domain: RetailDomain | None = None):

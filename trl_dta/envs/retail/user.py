@@ -48,7 +48,7 @@ class UserSimulator:
     """The user of one episode.
 
     Args:
-        task ([`~envs.tasks.Task`]): the scenario.
+        task ([`~envs.retail.tasks.Task`]): the scenario.
         patience (`int`, *optional*, defaults to `3`): unanswerable agent messages in a row before the user hangs up.
     """
 

@@ -7,7 +7,7 @@ offline). Nothing here imports tau2 until it is used (`_seam.tau2_modules`).
   episode, tau2's evaluator with each task's reward basis (NL assertions off offline);
 - `user`: [`ScriptedUser`] (offline, deterministic) and [`LLMUser`] (tau2's litellm user simulator);
 - `episode`: [`Tau2Session`], one episode in the policy's chat template, and [`play_tau2_episodes`] on the shared
-  rollout loop (`envs.rollout.run_sessions`);
+  rollout loop (`envs.core.rollout.run_sessions`);
 - `tool_env`: [`tau2_tool_env`], an environment class for TRL's own tool loop (`environment_factory=`), whose public
   methods are the domain's tools with tau2's names, parameters and docstrings, and [`tau2_tool_reward`];
 - `trl`: [`build_tau2_dataset`] (prompts and task ids for `GRPOTrainer`) and [`Tau2RolloutFunc`] (`rollout_func=`).

@@ -1,8 +1,8 @@
 """One tau2 episode in the policy's chat template, token in, token out, and the multi-turn rollout over a domain.
 
-[`Tau2Session`] is a [`~envs.rollout.Session`]: the shared rollout loop (`envs.rollout.run_sessions`) hands it each
-generated turn as token ids and appends what it answers. A turn is read with the template's response parser
-([`~envs.chat.ChatRenderer.parse`]):
+[`Tau2Session`] is a [`~envs.core.rollout.Session`]: the shared rollout loop (`envs.core.rollout.run_sessions`) hands it
+each generated turn as token ids and appends what it answers. A turn is read with the template's response parser
+([`~envs.core.chat.ChatRenderer.parse`]):
 
 ```
 turn with tool calls  -> each call runs on the episode's database (tau2's Environment.get_response)
@@ -21,15 +21,13 @@ is graded; `"max_turns"` and `"max_tokens"` are tau2's `max_steps`, which scores
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Sequence
 
 from ..._checks import check_int
 from ...generation import Generator
-from ..chat import ChatRenderer
-from ..protocol import _common_prefix
-from ..reward import argument_credit, tool_credit
-from ..rollout import Episode, check_branching, check_copyable, run_sessions
+from ..core.chat import ChatRenderer
+from ..core.credits import argument_credit, common_prefix, tool_credit
+from ..core.rollout import Episode, play_tasks
 from ._seam import tau2_modules
 from .domain import Tau2Domain, call_tool, chat_tool_message, tau2_assistant_message
 from .user import ScriptedUser
@@ -46,7 +44,7 @@ class Tau2Session:
     Args:
         domain ([`Tau2Domain`]): the domain.
         task_id (`str`): the task.
-        renderer ([`~envs.chat.ChatRenderer`]): the policy's chat template with the domain's tools.
+        renderer ([`~envs.core.chat.ChatRenderer`]): the policy's chat template with the domain's tools.
         user: a user with `opening` and `reply(text) -> (text, stop)`; defaults to [`ScriptedUser`]`(task, seed)`.
         seed (`int`, *optional*, defaults to `0`): the scripted user's seed.
         max_turns (`int`, *optional*, defaults to `16`): policy turns after which the episode ends.
@@ -92,7 +90,7 @@ class Tau2Session:
             answers = [{"role": "tool", "name": "error", "content": "Error: the tool call could not be parsed; write "
                         "one JSON object with 'name' and 'arguments' inside <tool_call></tool_call>."}]
         else:  # text: partial credit for the share of `<tool_call>` it starts with (`<tool_response>`: 6/11)
-            opening = _common_prefix(message["content"].lstrip(), _TOOL_CALL_OPEN) / len(_TOOL_CALL_OPEN)
+            opening = common_prefix(message["content"].lstrip(), _TOOL_CALL_OPEN) / len(_TOOL_CALL_OPEN)
             self.call_formats.append(_UNPARSED * opening)
             self.trajectory.append(tau2_assistant_message(message))
             text, stop = self.user.reply(message["content"])
@@ -142,7 +140,7 @@ class Tau2Session:
 
     def copy(self) -> Tau2Session:
         """The same episode from here on, independent of this one (tree rollouts branch episodes at turn boundaries
-        with it: `envs.rollout.CopyableEnv`): the database copied ([`Tau2Domain.copy_environment`]), the user's
+        with it: `envs.core.rollout.CopyableEnv`): the database copied ([`Tau2Domain.copy_environment`]), the user's
         state copied (its `copy()`), the conversation and trajectory copied; domain, task and renderer shared."""
         twin = copy.copy(self)
         twin.env = self.domain.copy_environment(self.env)
@@ -164,10 +162,10 @@ class Tau2Session:
         return self.domain.evaluate(self.task, self.trajectory, _TAU2_END.get(self.end_reason, "max_steps"))
 
     def shaped(self) -> dict[str, float]:
-        """The shaped credits of the episode (`envs.reward`): `call_format` (the mean per-turn call format: 1 a call of
-        a known tool, 0.5 of an unknown one, 0.25 an unparsed `<tool_call>`, text `0.25 * lcp / 11` for the share of
-        `<tool_call>` it starts with, as the stand-in credits a turn's start of `call `), `tools` and `arguments`
-        against the task's gold agent actions."""
+        """The shaped credits of the episode (`envs.core.credits`): `call_format` (the mean per-turn call format: 1 a
+        call of a known tool, 0.5 of an unknown one, 0.25 an unparsed `<tool_call>`, text `0.25 * lcp / 11` for the
+        share of `<tool_call>` it starts with, as the stand-in credits a turn's start of `call `), `tools` and
+        `arguments` against the task's gold agent actions."""
         criteria = self.task.evaluation_criteria
         gold = [(a.name, dict(a.arguments)) for a in (criteria.actions or []) if a.requestor == "assistant"] \
             if criteria is not None else []
@@ -194,14 +192,14 @@ def play_tau2_episodes(
     demonstration: Sequence[dict] = (),
 ) -> list[Episode]:
     """Plays `num_generations` episodes of every task with the policy behind `generate` (or, with `branching`, a tree
-    of `prod(branching)` episodes per task that branches at turn boundaries: `envs.rollout.run_sessions`).
+    of `prod(branching)` episodes per task that branches at turn boundaries: `envs.core.rollout.run_sessions`).
 
     Args:
         domain ([`Tau2Domain`]): the domain.
         task_ids (`Sequence[str]`): tau2 task ids; repeats allowed (TRL passes each prompt `num_generations` times).
         generate ([`~trl_dta.generation.Generator`]): the policy, one turn per prefix
-            (`envs.rollout.model_generate_fn` with the template's eos).
-        renderer ([`~envs.chat.ChatRenderer`]): the policy's chat template with `domain.tool_schemas`.
+            (`trl_dta.generation.reprefill_generate_fn` with the template's eos).
+        renderer ([`~envs.core.chat.ChatRenderer`]): the policy's chat template with `domain.tool_schemas`.
         num_generations (`int`, *optional*, defaults to `1`): episodes per task.
         seed (`int`, *optional*, defaults to `0`): the scripted users' seed.
         user_factory (*optional*): `user_factory(task) -> user` (e.g. an [`~envs.tau2.user.LLMUser`]); defaults to
@@ -220,31 +218,19 @@ def play_tau2_episodes(
         `list[Episode]`: with `messages` (the chat messages after the prompt), `end_reason`, `reward` (tau2's
         `RewardInfo`) and `shaped` ([`Tau2Session.shaped`]).
     """
-    num_generations = check_int("num_generations", num_generations, minimum=1)
-    branching, branch_turns = check_branching(branching, branch_turns)
-    if branching is not None and num_generations != 1:
-        raise ValueError(f"with `branching` each task yields prod(branching) episodes: set `num_generations=1` "
-                         f"(got {num_generations}).")
-    sessions, ids = [], []
-    for task_id in task_ids:
-        for _ in range((branching or [num_generations])[0]):
-            task = domain.task(task_id)
-            user = user_factory(task) if user_factory is not None else None
-            sessions.append(Tau2Session(domain, task_id, renderer, user=user, seed=seed, max_turns=max_turns,
-                                        demonstration=demonstration))
-            if branching is not None:
-                check_copyable(sessions[-1])
-            ids.append(task_id)
-    episodes, sessions = run_sessions(sessions, ids, generate, max_turn_tokens=max_turn_tokens,
-                                      max_tokens=max_tokens, branching=branching, branch_turns=branch_turns)
-    start = time.perf_counter()
-    for episode, session in zip(episodes, sessions):
+    def new_session(task_id: str) -> Tau2Session:
+        user = user_factory(domain.task(task_id)) if user_factory is not None else None
+        return Tau2Session(domain, task_id, renderer, user=user, seed=seed, max_turns=max_turns,
+                           demonstration=demonstration)
+
+    def grade(episode: Episode, session: Tau2Session) -> None:
         episode.messages, episode.end_reason = session.chat[session.prompt_messages:], session.end_reason
         episode.reward = session.reward()
         episode.shaped = session.shaped()
-    if timings is not None:
-        timings["reward_s"] = time.perf_counter() - start
-    return episodes
+
+    return play_tasks(task_ids, new_session, generate, grade, num_generations=num_generations,
+                      max_turn_tokens=max_turn_tokens, max_tokens=max_tokens, branching=branching,
+                      branch_turns=branch_turns, timings=timings)
 
 
 def gold_demonstration(domain: Tau2Domain, task_id: str, seed: int = 0) -> list[dict]:

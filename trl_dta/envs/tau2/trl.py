@@ -3,7 +3,7 @@ offline (or an LLM) user, and the reward function.
 
 ```python
 domain = Tau2Domain("airline")
-tokenizer = ...  # a chat model's tokenizer; offline: trl_dta.envs.chat.build_chat_tokenizer()
+tokenizer = ...  # a chat model's tokenizer; offline: trl_dta.envs.core.chat.build_chat_tokenizer()
 trainer = DTAGRPOTrainer(model=model, processing_class=tokenizer, train_dataset=build_tau2_dataset(domain),
                          rollout_func=Tau2RolloutFunc(domain), reward_funcs=tau2_reward,
                          args=DTAGRPOConfig(dta_sample_layout="per_turn", ...))
@@ -25,9 +25,9 @@ from __future__ import annotations
 from datasets import Dataset
 
 from ..._checks import check_bool, check_int
-from ..chat import ChatRenderer
-from ..rollout import episode_columns as rollout_columns
-from ..trl_rollout import check_vllm_rollouts, rollout_meter
+from ..core.chat import ChatRenderer
+from ..core.trl import SHAPED_KEYS, check_vllm_rollouts, rollout_meter
+from ..core.trl import episode_columns as rollout_columns
 from .domain import Tau2Domain
 from .episode import play_tau2_episodes
 from .user import ScriptedUser
@@ -62,7 +62,7 @@ class Tau2RolloutFunc:
         max_turns (`int`, *optional*, defaults to `16`): policy turns per episode.
         max_tokens (`int`, *optional*, defaults to `32768`): tokens per episode, prompt included.
         generation_cache (`bool`, *optional*, defaults to `True`): keep every episode's keys/values between turns, the
-            system prompt and each task's opening prefilled once per rollout (`trl_dta.envs.trl_rollout`); `False`:
+            system prompt and each task's opening prefilled once per rollout (`trl_dta.envs.core.trl`); `False`:
             `model.generate` on every whole prefix. Logs the same rollout metrics as `AgentRolloutFunc`.
         demonstration (`list[dict]`, *optional*): chat messages shown before every opening (a small model's
             example of the tool-call format: `envs.tau2.episode.gold_demonstration`).
@@ -111,8 +111,9 @@ class Tau2RolloutFunc:
 
 def episode_columns(episodes) -> dict[str, list]:
     """TRL's `rollout_func` output for played tau2 episodes: tau2's reward of each (`tau2_reward`, and as `success`
-    for `outcome_reward`) and the shaped credits (`call_format`, `tools`, `arguments`: `trl_rollout.SHAPED_REWARDS`)."""
-    shaped = {key: [e.shaped[key] for e in episodes] for key in ("call_format", "tools", "arguments")}
+    for `outcome_reward`) and the shaped credits (`call_format`, `tools`, `arguments`:
+    `envs.core.trl.SHAPED_REWARDS`)."""
+    shaped = {key: [e.shaped[key] for e in episodes] for key in SHAPED_KEYS}
     rewards = [float(e.reward.reward) for e in episodes]
     return rollout_columns(episodes, tau2_reward=rewards, success=rewards, **shaped)
 
