@@ -89,7 +89,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 import time
 import warnings
@@ -99,11 +98,12 @@ from pathlib import Path
 from trl import ModelConfig, TrlParser, get_peft_config
 
 from trl_dta import DTAGRPOConfig, DTAGRPOTrainer, tiny
-from trl_dta.analysis.run_summary import mean_of as _mean
-from trl_dta.analysis.run_summary import reward_trend
-from trl_dta.envs import SHAPED_REWARDS, AgentRolloutFunc, RetailDomain, build_dataset, episode_reward, outcome_reward
 from trl_dta.pretrained import SMOLLM2, resolve_model_name
 from trl_dta.trainers.console import RunArguments, modern_flags, quiet_console, use_console
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from agent_summary import describe, format_summary, summarize  # noqa: E402 (the recipe's modules, beside it)
+from agent_workload import build_workload  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIG = CONFIGS / "agent.yaml"
@@ -244,108 +244,6 @@ def check_script_args(script_args: AgentScriptArguments) -> None:
         raise ValueError(f"--agent_max_tokens must be >= 2, got {script_args.agent_max_tokens}.")
 
 
-@dataclass
-class Workload:
-    """The domain's dataset, rollout function and rewards, and what the run prints about them."""
-
-    dataset: object
-    rollout: object
-    reward_funcs: list
-    reward_weights: list[float] | None
-    info: dict
-
-
-def _common_prefix(rows: list[list[int]]) -> int:
-    first, n = rows[0], min(map(len, rows))
-    for row in rows[1:]:
-        k = 0
-        while k < n and row[k] == first[k]:
-            k += 1
-        n = k
-    return n
-
-
-def build_workload(script_args: AgentScriptArguments, training_args: DTAGRPOConfig, tokenizer,
-                   embedded: bool = True) -> Workload:
-    """The dataset, rollout function and rewards of `--agent_domain`, `agent_max_tokens` derived when unset. With a
-    pretrained chat model (`embedded=False` and a chat template) the stand-in's turns are chat messages
-    (`trl_dta.envs.retail.chat_turns.ChatTurns`), and tau2's episodes start with a demonstration from a held-out
-    task."""
-    standin = script_args.agent_domain == "standin"
-    reward = script_args.agent_reward or ("shaped" if standin else "outcome")
-    turn_budget = training_args.max_completion_length + script_args.agent_reply_tokens
-    if standin:
-        domain = RetailDomain(seed=training_args.seed, num_users=script_args.agent_num_users,
-                              policy_chars=script_args.agent_policy_chars)
-        dataset = build_dataset(domain, script_args.agent_num_tasks)
-        chat = bool(getattr(tokenizer, "chat_template", None)) and not embedded
-        if chat:  # a pretrained chat model: the protocol in its chat template (`trl_dta.envs.retail.chat_turns`)
-            from trl_dta.envs.retail.chat_turns import ChatTurns
-
-            turns = ChatTurns(tokenizer, domain)
-            prompts = [turns.prompt_ids(task_id) for task_id in dataset["task_id"]]
-        else:
-            prompts = [tokenizer(prompt)["input_ids"] for prompt in dataset["prompt"]]
-        info = {"domain": "standin" + (" (chat template)" if chat else ""), "task_split": None,
-                "num_tasks": len(dataset), "tools": 6, "policy_chars": len(domain.system_prompt)}
-        outcome = {"shaped": SHAPED_REWARDS, "episode": ([episode_reward], None), "outcome": ([outcome_reward], None)}
-    else:
-        from trl_dta.envs.core.chat import ChatRenderer, ensure_tool_template
-        from trl_dta.envs.tau2 import TAU2_VERSION, Tau2Domain, build_tau2_dataset, gold_demonstration, tau2_reward
-
-        domain = Tau2Domain(script_args.agent_domain, task_split=script_args.agent_task_split,
-                            policy_chars=script_args.agent_policy_chars or None)
-        task_ids, demonstration, demo_task = domain.task_ids, [], None
-        if not embedded:  # a pretrained model: a template with tools, and one solved held-out task shown first
-            ensure_tool_template(tokenizer)
-            demo_task = _demonstration_task(domain)
-            if demo_task is not None:
-                demonstration = gold_demonstration(domain, demo_task, seed=training_args.seed)
-                task_ids = [t for t in task_ids if t != demo_task]
-        dataset = build_tau2_dataset(domain, task_ids[:script_args.agent_num_tasks], seed=training_args.seed,
-                                     demonstration=demonstration)
-        renderer = ChatRenderer(tokenizer, domain.tool_schemas)
-        prompts = [renderer.prompt_ids(prompt) for prompt in dataset["prompt"]]
-        info = {"domain": f"{domain.name} (tau2-bench {TAU2_VERSION})", "task_split": script_args.agent_task_split,
-                "num_tasks": len(dataset), "tools": len(domain.tool_schemas), "policy_chars": len(domain.policy),
-                "demonstration": demo_task}
-        outcome = {"shaped": SHAPED_REWARDS, "outcome": ([tau2_reward], None)}
-    longest = max(map(len, prompts))
-    max_tokens = script_args.agent_max_tokens
-    if max_tokens is None:
-        max_tokens = longest + script_args.agent_max_turns * turn_budget
-        info["max_tokens_rule"] = (f"longest prompt {longest} + {script_args.agent_max_turns} turns x "
-                                   f"({training_args.max_completion_length} + {script_args.agent_reply_tokens})")
-    if max_tokens <= longest:
-        raise ValueError(f"--agent_max_tokens {max_tokens} leaves no room for a turn after the longest prompt "
-                         f"({longest} tokens); raise it or leave it unset (derived from the prompt and the turns).")
-    info.update(system_prompt_tokens=_common_prefix(prompts), prompt_tokens=[min(map(len, prompts)), longest],
-                max_tokens=max_tokens, reward=reward)
-    kwargs = dict(max_turns=script_args.agent_max_turns, max_tokens=max_tokens,
-                  generation_cache=script_args.agent_generation_cache)
-    if standin:
-        rollout = AgentRolloutFunc(domain, branching=script_args.agent_branching,
-                                   branch_turns=script_args.agent_branch_turns, chat=chat, **kwargs)
-    else:
-        from trl_dta.envs.tau2 import Tau2RolloutFunc
-
-        rollout = Tau2RolloutFunc(domain, seed=training_args.seed, demonstration=demonstration, **kwargs)
-    funcs, weights = outcome[reward]
-    return Workload(dataset, rollout, list(funcs), None if weights is None else list(weights), info)
-
-
-def _demonstration_task(domain) -> str | None:
-    """The task a pretrained model is shown solved before its own (held out of training): the last task of the split
-    whose gold actions are all the agent's tool calls (at least one, none a transfer to a human); `None` when there is
-    none."""
-    for task_id in reversed(domain.task_ids):
-        criteria = domain.task(task_id).evaluation_criteria
-        actions = list(criteria.actions or []) if criteria is not None else []
-        if actions and all(a.requestor == "assistant" and a.name != "transfer_to_human_agents" for a in actions):
-            return task_id
-    return None
-
-
 def embedded_tokenizer(script_args: AgentScriptArguments):
     """The embedded tokenizer: for the stand-in the character-level one with the protocol's words as tokens
     (`envs.retail.protocol.protocol_tokenizer`), for tau2 domains a byte-level one with TRL's Qwen2.5 chat template."""
@@ -375,109 +273,6 @@ def prepare_embedded_model(script_args: AgentScriptArguments, training_args: DTA
                              max_position_embeddings=max_positions, seed=training_args.seed).save_pretrained(model_dir)
             tokenizer.save_pretrained(model_dir)
     return str(model_dir)
-
-
-def describe(info: dict, training_args: DTAGRPOConfig, reward_funcs: list) -> str:
-    """The lines the run prints before training: domain, tasks, prompt, tools, budget, rewards."""
-    lines = [f"domain: {info['domain']}    task split: {info['task_split'] or 'all'} ({info['num_tasks']} tasks)",
-             f"system prompt: {info['system_prompt_tokens']} tokens shared by every episode (policy "
-             f"{info['policy_chars']} characters, {info['tools']} tools); prompts {info['prompt_tokens'][0]}-"
-             f"{info['prompt_tokens'][1]} tokens",
-             f"episode budget: {info['max_tokens']} tokens" + (f" = {info['max_tokens_rule']}" if "max_tokens_rule"
-                                                                 in info else " (--agent_max_tokens)")
-             + f", at most {training_args.max_completion_length} per turn",
-             f"rewards ({info['reward']}): " + ", ".join(f.__name__ for f in reward_funcs)
-             + (f", weights {training_args.reward_weights}" if training_args.reward_weights else "")]
-    return "\n".join(lines)
-
-
-# The step's split: summary key -> logged metric (seconds per optimizer step, means over logged steps).
-STEP_SPLIT = {"step_s": "step_time", "generation_s": "dta/rollout_generation_s", "env_s": "dta/rollout_env_s",
-              "reward_s": "dta/rollout_reward_s", "dta_train_s": "dta/step_time"}
-
-
-def summarize(log_history: list[dict], steps: int, wall_time: float, window: int, layout: str,
-              num_processes: int = 1, info: dict | None = None, generation: str = "transformers") -> dict:
-    """The run's summary from the trainer's logged metrics.
-
-    Args:
-        log_history (`list[dict]`): `trainer.state.log_history`.
-        steps (`int`): optimizer steps taken.
-        wall_time (`float`): seconds of `trainer.train()`.
-        window (`int`): number of first and last logged steps whose rewards are compared.
-        layout (`str`): the training layout, `dta_sample_layout`.
-        num_processes (`int`, *optional*, defaults to `1`): processes of the run (the token counts are this
-            process's).
-        info (`dict`, *optional*): the workload's (`Workload.info`): domain, tasks, system prompt, tools, budget.
-        generation (`str`, *optional*, defaults to `"transformers"`): what sampled the rollouts: `"vllm"`
-            (`use_vllm=True`) or `"transformers"`.
-
-    Returns:
-        `dict`: `steps`, `processes`, `layout`, `wall_s`, `reward_first`, `reward_last` (means over the first and last
-        `window` logged steps, at most half of them each), `rewards` (the same per reward function), `entropy`
-        (`[first, last]`, TRL's logged policy entropy), `rewards_steps`
-        (logged steps), `frac_reward_zero_std` (mean over logged steps: the share of groups without a learning
-        signal), `compression_ratio` (the step forests', mean over logged steps), `compression_ratio_micro_batch`,
-        `tokens` and `tree_tokens` (per forest), `forward_tokens`, `rollout_tokens`, `rollout_forward_tokens` and
-        `rollout_cached_tokens` (per rollout; the last with vLLM only), `generation`, the step's split in seconds
-        (`STEP_SPLIT`), the workload's `info` keys, `peak_rss_gb`. Values a run did not log are `None`.
-    """
-    logs = [entry for entry in log_history if "reward" in entry]
-    summary = {
-        "generation": generation,
-        "steps": steps,
-        "processes": num_processes,
-        "layout": layout,
-        "wall_s": round(wall_time, 1),
-        **reward_trend(log_history, window),
-        "frac_reward_zero_std": _mean(logs, "frac_reward_zero_std"),
-    }
-    for key in ("compression_ratio", "compression_ratio_micro_batch", "tokens", "tree_tokens", "forward_tokens",
-                "rollout_tokens", "rollout_forward_tokens", "rollout_cached_tokens"):
-        summary[key] = _mean(logs, f"dta/{key}")
-    for key, metric in STEP_SPLIT.items():
-        summary[key] = _mean(logs, metric)
-    summary.update({key: value for key, value in (info or {}).items() if key != "prompt_tokens"})
-    summary["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
-    return summary
-
-
-def format_summary(summary: dict) -> str:
-    """The summary as a readable block (the JSON line follows it)."""
-    def num(value, fmt=".3f"):
-        return "n/a" if value is None else format(value, fmt)
-
-    lines = ["=" * 26 + " trl-dta agent summary " + "=" * 26,
-             f"domain: {summary.get('domain', 'standin')}    layout: {summary['layout']}    steps: {summary['steps']}"
-             f"    generation: {summary.get('generation', 'transformers')}"
-             f"    processes: {summary['processes']}    wall time: {summary['wall_s']:.1f} s"]
-    k = summary["rewards_steps"]
-    delta = None if summary["reward_first"] is None else summary["reward_last"] - summary["reward_first"]
-    lines.append(f"reward (mean of the first / last {k} logged steps): {num(summary['reward_first'])} -> "
-                 f"{num(summary['reward_last'])} ({num(delta, '+.3f')})")
-    for name, (first, last) in summary["rewards"].items():
-        lines.append(f"  {name}: {num(first)} -> {num(last)}")
-    entropy = summary.get("entropy") or [None, None]
-    if None not in entropy:
-        lines.append(f"entropy (the policy's, nats per trained token): {entropy[0]:.3f} -> {entropy[1]:.3f}")
-    lines.append(f"groups without a learning signal (frac_reward_zero_std, mean): "
-                 f"{num(summary['frac_reward_zero_std'], '.2f')}")
-    split = ", ".join(f"{label} {num(summary[key], '.1f')} s" for label, key in (
-        ("generation", "generation_s"), ("tools and users", "env_s"), ("grading", "reward_s"),
-        ("DTA training", "dta_train_s")))
-    lines.append(f"step: {num(summary['step_s'], '.1f')} s = {split} (+ TRL's bookkeeping)")
-    if summary["rollout_tokens"] is not None:
-        cached = summary.get("rollout_cached_tokens")
-        lines.append(f"rollout: {summary['rollout_tokens']:.0f} episode tokens, "
-                     f"{num(summary['rollout_forward_tokens'], '.0f')} forwarded while generating"
-                     + ("" if cached is None else f", {cached:.0f} from vLLM's prefix cache"))
-    if summary["compression_ratio"] is not None:
-        lines.append(f"training forest: {summary['tokens']:.0f} tokens as {summary['tree_tokens']:.0f} tree tokens "
-                     f"({summary['compression_ratio']:.1f}x; each micro-batch alone "
-                     f"{summary['compression_ratio_micro_batch']:.1f}x)")
-    lines.append(f"peak memory (RSS): {summary['peak_rss_gb']:.2f} GB")
-    lines.append("=" * 75)
-    return "\n".join(lines)
 
 
 def main(script_args: AgentScriptArguments, training_args: DTAGRPOConfig, model_args: ModelConfig) -> DTAGRPOTrainer:
