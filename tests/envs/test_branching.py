@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trl_dta.demos.tiny import build_model
 from trl_dta.envs import AgentRolloutFunc, model_generate_fn, play_episodes
-from trl_dta.tiny import build_model
 
 from .test_rollout import Recorder, gold_scripts, scripted
 

@@ -7,12 +7,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trl_dta import PrefixTree
+from trl_dta.demos.tiny import ALPHABET, build_tokenizer
 from trl_dta.envs import Call, RetailDomain
 from trl_dta.envs.database import PENDING
 from trl_dta.envs.reward import tool_credit
 from trl_dta.envs.tasks import KINDS
 from trl_dta.envs.user import STOP
-from trl_dta.tiny import ALPHABET, build_tokenizer
 
 TASKS = range(24)
 

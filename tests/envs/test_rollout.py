@@ -11,9 +11,9 @@ import torch
 
 from bounds import chain_bound
 from trl_dta import PrefixTree
+from trl_dta.demos.tiny import build_model
 from trl_dta.envs import Generation, layout_sequences, model_generate_fn, play_episodes
 from trl_dta.envs.protocol import render_reply
-from trl_dta.tiny import build_model
 
 
 class Recorder:

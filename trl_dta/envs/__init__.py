@@ -2,7 +2,7 @@
 
 The workload DTA exists for: multi-turn tool-use episodes that share a long system prompt (the policy document),
 whose G rollouts per task share the task's opening, and whose per-turn training samples are nested prefixes of each
-other. Everything runs offline with the tiny model of `trl_dta.tiny`:
+other. Everything runs offline with the tiny model of `trl_dta.demos.tiny`:
 
 - `database`: users and orders, six tools that read and change them (`database.TOOLS`);
 - `policy`: the policy document, the shared system prompt (its length configurable);
