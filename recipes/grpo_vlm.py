@@ -40,7 +40,7 @@ from trl_dta.demos import tiny_vlm
 from trl_dta.trainers.console import RunArguments, modern_flags, quiet_console, use_console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grpo import summarize, summary_record  # noqa: E402 (the text recipe's summary, one directory up the path)
+from grpo_summary import summarize, summary_record  # noqa: E402 (the text recipe's summary, beside this script)
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "vlm.yaml"
 
