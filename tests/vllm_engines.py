@@ -3,7 +3,7 @@ mode passes to `vllm.LLM` plus the CPU settings (`trl_dta/trainers/vllm_cpu.py`)
 under [`VLLMEngines.shared`] instead of a new one (TRL syncs the trainer's weights into it before its first
 generation, so trainers of one model shape can share it).
 
-The model ([`build_model_dir`]): trl_dta.tiny's Qwen2 shape and character tokenizer, 64 wide with 2 query heads and
+The model ([`build_model_dir`]): demos.tiny's Qwen2 shape and character tokenizer, 64 wide with 2 query heads and
 1 key/value head, i.e. a head size of 32: vLLM's CPU attention supports 32, 64, 80, 96, 112, 128, ... (the recipe's
 default 4 heads of 16 fail at the first step with "Unsupported CPU attention configuration: head_dim=16").
 """
@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
-from trl_dta.tiny import build_default_model_dir
+from trl_dta.demos.tiny import build_default_model_dir
 from trl_dta.trainers import vllm_cpu
 
 SKIP_REASON = f"vLLM is not installed: {vllm_cpu.INSTALL}"
 
-# The model's shape: trl_dta.tiny's defaults but head size 32 (2 heads of a 64-wide model).
+# The model's shape: trl_dta.demos.tiny's defaults but head size 32 (2 heads of a 64-wide model).
 MODEL = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2)
 
 # TRL 1.16's `VLLMGeneration._init_vllm` arguments (colocate mode, one process, GRPOConfig's defaults).

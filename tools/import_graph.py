@@ -30,7 +30,7 @@ on a cycle, an upward import or a LONG module.
       layer 0: trl_dta
       layer 1: benchmarks, docs, recipes, tools
     trl_dta: 23 modules and packages on 9 layers
-      layer 0: batch, kv_stack, precision, recurrent, refusal, tiny
+      layer 0: batch, kv_stack, precision, refusal
       ...
 """
 

@@ -29,7 +29,7 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-# Shapes built from a pretrained checkpoint instead of random weights: name -> (its shape, `trl_dta.pretrained` key).
+# Shapes built from a pretrained checkpoint instead of random weights: name -> (shape, `trl_dta.demos.pretrained` key).
 # `smollm2`: SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, 9/3 heads, vocab 49,152, tied embeddings).
 PRETRAINED_SHAPES = {"smollm2": (ModelShape(576, 1536, 30, 9, 3, 64, 49152, name="smollm2"), "smollm2-135m-instruct")}
 
@@ -137,10 +137,10 @@ def build_config(shape: ModelShape, family: str = "qwen", max_position_embedding
 
 
 def _pretrained(shape: ModelShape, dtype, device, attn_implementation: str):
-    """The real weights of a `PRETRAINED_SHAPES` shape (converted once, cached: `trl_dta.pretrained`), in train mode."""
+    """The real weights of a `PRETRAINED_SHAPES` shape (converted once, cached: `demos.pretrained`), in train mode."""
     from transformers import AutoModelForCausalLM
 
-    from trl_dta.pretrained import pretrained_folder
+    from trl_dta.demos.pretrained import pretrained_folder
 
     model = AutoModelForCausalLM.from_pretrained(pretrained_folder(PRETRAINED_SHAPES[shape.name][1]), dtype=dtype,
                                                  attn_implementation=attn_implementation).to(device)

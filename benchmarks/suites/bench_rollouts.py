@@ -48,7 +48,7 @@ MEMORY_LIMIT = 10 * 2**30  # address space of each run's process
 
 def _workload(domain_name: str, tasks: int):
     """`(play(generate) -> episodes, tokenizer, model, system_prompt_tokens, tau2 domain or None)`."""
-    from trl_dta import tiny
+    from trl_dta.demos import tiny
     from trl_dta.envs import RetailDomain, play_episodes
     from trl_dta.envs.retail.protocol import protocol_tokenizer
 

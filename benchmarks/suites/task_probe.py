@@ -1,5 +1,5 @@
 """Which tasks a small instruct model can learn by GRPO: its greedy and sampled accuracy on candidate tasks, measured
-before any training (how `trl_dta.word_problems`' `which` and `ages` were chosen for the real-model recipe).
+before any training (how `trl_dta.demos.word_problems`' `which` and `ages` were chosen for the real-model recipe).
 
 GRPO learns from groups whose completions disagree: a task the model never answers right (all rewards 0) or always
 answers right gives no signal. So each candidate kind is asked `--prompts` times (one solved example first, drawn per
@@ -62,7 +62,7 @@ def _bare_sum(rng, top):
 
 def candidates() -> dict:
     """Kind -> (generator, largest operand): `word_problems.PROBLEMS` at the recipe's sizes, then the left-out ones."""
-    from trl_dta.word_problems import PROBLEMS
+    from trl_dta.demos.word_problems import PROBLEMS
 
     sizes = {"which": 10, "ages": 60, "+": 10, "-": 10, "*": 10}
     kinds = {kind: (PROBLEMS[kind], sizes.get(kind, 10)) for kind in PROBLEMS}
@@ -89,9 +89,9 @@ def probe(model, tokenizer, kind: str, generator, top: int, *, prompts: int, sam
     import torch
     from transformers import GenerationConfig
 
+    from trl_dta.demos.heldout import greedy_completions
+    from trl_dta.demos.word_problems import answer_reward
     from trl_dta.generation import CachedGenerate
-    from trl_dta.heldout import greedy_completions
-    from trl_dta.word_problems import answer_reward
 
     start = time.perf_counter()
     rows, answers = _prompts(generator, top, prompts, seed)
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_dta.pretrained import pretrained_folder
+    from trl_dta.demos.pretrained import pretrained_folder
 
     torch.set_num_threads(1)
     folder = pretrained_folder()

@@ -118,7 +118,7 @@ def measure(workload: Workload, prompt_len: int, group: int, method: str, shape:
     """Train `1 + steps` optimizer steps and time the last `steps` (call through `harness.isolation.run_isolated`)."""
     from datasets import Dataset
 
-    from trl_dta.tiny import build_tokenizer
+    from trl_dta.demos.tiny import build_tokenizer
 
     set_threads(threads)
     # bf16 runs keep float32 parameters and let the trainers autocast (`bf16=True`), as TRL does by default

@@ -58,8 +58,8 @@ def agent_episodes(sizes: dict, seed: int = 0):
         `tuple[domain, tokenizer, list[Episode]]`: episodes task by task, a task's `group` episodes adjacent.
     """
     if sizes.get("domain", "standin") != "standin":
+        from trl_dta.demos.tiny import build_tokenizer
         from trl_dta.envs.tau2 import Tau2Domain
-        from trl_dta.tiny import build_tokenizer
 
         from . import tau2
 
@@ -70,9 +70,9 @@ def agent_episodes(sizes: dict, seed: int = 0):
         vocab = model_shape(sizes.get("shape", "bench-cpu")).vocab_size
         tau2.compact_ids(episodes, vocab, bpe.eos_token_id, new_eos=tokenizer.eos_token_id)
         return Tau2Prompts(), tokenizer, episodes
+    from trl_dta.demos.tiny import build_tokenizer
     from trl_dta.envs import RetailDomain, play_episodes
     from trl_dta.generation import Generation
-    from trl_dta.tiny import build_tokenizer
 
     domain = RetailDomain(seed=seed, policy_chars=sizes["policy_chars"])
     tokenizer = build_tokenizer()

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from trl_dta.tiny import build_tokenizer
+from trl_dta.demos.tiny import build_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    """The embedded tiny tokenizer (`trl_dta.tiny`), one per test module."""
+    """The embedded tiny tokenizer (`trl_dta.demos.tiny`), one per test module."""
     return build_tokenizer()

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trl_dta.demos.tiny import build_model
 from trl_dta.envs import AgentRolloutFunc, play_episodes
 from trl_dta.generation import reprefill_generate_fn
-from trl_dta.tiny import build_model
 
 from .test_rollout import Recorder, gold_scripts, scripted
 

@@ -11,10 +11,10 @@ import torch
 
 from bounds import chain_bound
 from trl_dta import PrefixTree
+from trl_dta.demos.tiny import build_model
 from trl_dta.envs import layout_sequences, play_episodes
 from trl_dta.envs.retail.protocol import render_reply
 from trl_dta.generation import Generation, reprefill_generate_fn
-from trl_dta.tiny import build_model
 
 
 class Recorder:

@@ -8,8 +8,8 @@ import inspect
 import pytest
 from transformers.utils import get_json_schema
 
+from trl_dta.demos.tiny import build_model, build_tokenizer
 from trl_dta.envs import AgentRolloutFunc, RetailToolEnv, build_dataset, episode_reward
-from trl_dta.tiny import build_model, build_tokenizer
 
 
 def test_dataset(domain):

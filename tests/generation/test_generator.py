@@ -15,10 +15,10 @@ import torch
 from transformers import GenerationConfig
 
 from tests.trainers.conftest import EOS, PAD, build_model
+from trl_dta.demos.tiny import build_model as build_tiny_model
+from trl_dta.demos.tiny import build_tokenizer
 from trl_dta.envs import AgentRolloutFunc
 from trl_dta.generation import CacheStats, Generation, TreeSampler
-from trl_dta.tiny import build_model as build_tiny_model
-from trl_dta.tiny import build_tokenizer
 from trl_dta.trainers import policy, tree_rollouts
 from trl_dta.trainers.window import HookState
 

@@ -10,7 +10,7 @@ from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper
 
 from bounds import UNIT_ROUNDOFF
 from tests.trainers.conftest import EOS, PAD, build_model
-from trl_dta import tiny
+from trl_dta.demos import tiny
 from trl_dta.envs import play_episodes
 from trl_dta.generation import CachedGenerate, count_forward_tokens, reprefill_generate_fn
 

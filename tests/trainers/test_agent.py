@@ -2,7 +2,7 @@
 
 Episodes are the real retail environment's (`trl_dta.envs`), played by scripted agents and handed to the trainer as
 TRL's `rollout_func` (`test_layouts.ReplayRollout`): generation is not what is tested here, and replaying keeps the
-tests fast. The trained model is real (the tiny Qwen2 of `trl_dta.tiny`, float32), as are the trainers, the rewards
+tests fast. The trained model is real (the tiny Qwen2 of `demos.tiny`, float32), as are the trainers, the rewards
 (`trl_dta.envs.episode_reward`), the advantages and the optimizer (SGD, so updates are proportional to gradients).
 
 - `dta_sample_layout="per_turn"`: DTA equals `dta_enabled=False`, which trains TRL's dense path on the same per-turn
@@ -21,8 +21,8 @@ import torch
 from peft import LoraConfig
 from trl import GRPOConfig, GRPOTrainer
 
+from trl_dta.demos.tiny import build_default_model_dir, build_tokenizer
 from trl_dta.envs import build_dataset, episode_reward
-from trl_dta.tiny import build_default_model_dir, build_tokenizer
 from trl_dta.trainers import DTAGRPOConfig, DTAGRPOTrainer, DTARLOOConfig
 
 from .conftest import Run, assert_equivalent, assert_params_close, make_args

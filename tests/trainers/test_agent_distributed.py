@@ -115,7 +115,7 @@ def assert_padded_to_equal_counts(run: dict) -> None:
 def runs(tmp_path_factory):
     """Training runs by (processes, flags): every configuration of `CONFIGS[processes]` trained in one launch, the
     first time one of them is asked for."""
-    from trl_dta.tiny import build_default_model_dir
+    from trl_dta.demos.tiny import build_default_model_dir
 
     model_dir = build_default_model_dir(tmp_path_factory.mktemp("model"), hidden_size=32, max_position_embeddings=1024)
     done = {}
@@ -214,8 +214,8 @@ def train_one(flags, out, last: bool = True) -> None:
 
     from trainers.conftest import make_args
     from trainers.test_layouts import ReplayRollout
+    from trl_dta.demos.tiny import build_tokenizer
     from trl_dta.envs import RetailDomain, build_dataset, episode_reward
-    from trl_dta.tiny import build_tokenizer
     from trl_dta.trainers import DTAGRPOConfig, DTAGRPOTrainer
 
     domain, tokenizer = RetailDomain(seed=0), build_tokenizer()

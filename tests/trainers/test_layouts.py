@@ -18,9 +18,9 @@ from trl.trainer.utils import pad
 
 from bounds import UNIT_ROUNDOFF
 from conftest import use_input_dtype_norms
+from trl_dta.demos.tiny import build_model, build_tokenizer
 from trl_dta.envs import RetailDomain, layout_sequences, play_episodes
 from trl_dta.generation import Generation
-from trl_dta.tiny import build_model, build_tokenizer
 from trl_dta.trainers.layouts import (
     ROW_COUNTS_KEY,
     expand_per_turn,

@@ -87,7 +87,7 @@ def test_server_mode_is_refused_without_cuda():
 
 
 def test_head_size_vllm_cpu_lacks_is_refused_early():
-    from trl_dta.tiny import build_model
+    from trl_dta.demos.tiny import build_model
 
     vllm_cpu.check_head_size(build_model(hidden_size=64, num_attention_heads=2).config)  # head size 32
     with pytest.raises(ValueError, match="head sizes .* this model's is 16"):

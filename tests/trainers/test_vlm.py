@@ -1,5 +1,5 @@
 """`DTAGRPOTrainer` (and `DTARLOOTrainer`) against TRL's trainers on a vision-language model with images: the
-embedded tiny Qwen2-VL and its shape-counting prompts (`trl_dta.tiny_vlm`: one image per prompt, 36 image tokens of a
+embedded tiny Qwen2-VL and its shape-counting prompts (`demos.tiny_vlm`: one image per prompt, 36 image tokens of a
 74-token prompt), loaded by name from a folder as TRL loads a model, the processor as `processing_class` (TRL's
 `_is_vlm`).
 
@@ -28,7 +28,8 @@ import torch
 import transformers
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-from trl_dta import DTAEngine, tiny_vlm
+from trl_dta import DTAEngine
+from trl_dta.demos import tiny_vlm
 from trl_dta.parallel.fsdp2 import FSDP2
 from trl_dta.refusal import DTAUnsupportedError
 from trl_dta.trainers import DTAGRPOConfig, DTAGRPOTrainer, DTARLOOConfig, DTARLOOTrainer

@@ -171,7 +171,7 @@ def vllm_engine_builder(wrap: Callable[[Callable[..., object]], Callable[..., ob
     """Within the block, TRL's colocate mode builds its engine with `wrap(previous)(**kwargs)`, `kwargs` being what it
     passes to `vllm.LLM` and `previous` the builder in place before (`vllm.LLM`, or an outer block's). TRL 1.16.0
     passes no `enforce_eager` or `dtype` and has no option for them: the trainers wrap their construction in this to
-    add vLLM's CPU settings (`generation/vllm_cpu.py`); tests, outside, hand one session engine to every trainer (TRL
+    add vLLM's CPU settings (`trainers/vllm_cpu.py`); tests, outside, hand one session engine to every trainer (TRL
     syncs the trainer's weights into it before its first generation)."""
     from trl.generation import vllm_generation
 

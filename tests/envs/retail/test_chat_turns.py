@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from trl_dta.demos.tiny import build_tokenizer
 from trl_dta.envs import RetailDomain, play_episodes
 from trl_dta.envs.core.chat import build_chat_tokenizer
 from trl_dta.envs.retail.chat_turns import DEMONSTRATION, ChatTurns, chat_suffix_ids
 from trl_dta.generation import Generation
-from trl_dta.tiny import build_tokenizer
 
 # SmolLM2-Instruct's own chat template (ChatML without tools), as its tokenizer ships it.
 SMOLLM2_TEMPLATE = (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from trl_dta.demos.tiny import ALPHABET
 from trl_dta.envs.retail.database import (
     CANCELLED,
     DELIVERED,
@@ -14,7 +15,6 @@ from trl_dta.envs.retail.database import (
     run_tool,
     shipping_fee,
 )
-from trl_dta.tiny import ALPHABET
 
 
 @pytest.fixture

@@ -7,12 +7,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trl_dta import PrefixTree
+from trl_dta.demos.tiny import ALPHABET, build_tokenizer
 from trl_dta.envs import Call, RetailDomain
 from trl_dta.envs.core.credits import tool_credit
 from trl_dta.envs.retail.database import PENDING
 from trl_dta.envs.retail.tasks import KINDS
 from trl_dta.envs.retail.user import STOP
-from trl_dta.tiny import ALPHABET, build_tokenizer
 
 TASKS = range(24)
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trl_dta.demos.tiny import build_model
 from trl_dta.envs.tau2 import Tau2Session, play_tau2_episodes
 from trl_dta.generation import reprefill_generate_fn
-from trl_dta.tiny import build_model
 
 from .conftest import renderer_for, turn_ids
 

@@ -18,8 +18,8 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from tests.trainers.conftest import Run, assert_equivalent, make_args
+from trl_dta.demos.tiny import build_model
 from trl_dta.envs.tau2 import Tau2RolloutFunc, build_tau2_dataset, tau2_reward, tau2_tool_env, tau2_tool_reward
-from trl_dta.tiny import build_model
 from trl_dta.trainers import DTAGRPOConfig, DTAGRPOTrainer
 
 from .conftest import turn_ids

@@ -1,5 +1,5 @@
 """The offline stand-in: a tau2-style retail customer-service domain, played by the embedded tiny model
-(`trl_dta.tiny`) or a pretrained chat model, no extra dependency.
+(`trl_dta.demos.tiny`) or a pretrained chat model, no extra dependency.
 
 - `database`: users and orders, six tools that read and change them (`database.TOOLS`);
 - `policy_document`: the policy document, the shared system prompt (its length configurable);

@@ -1,7 +1,7 @@
 """The stand-in's text protocol inside a chat model's template, for pretrained instruct models.
 
 The embedded tiny model reads the stand-in as one plain text with `agent:` / `user:` / `tool:` labels
-(`envs.retail.protocol`). A pretrained chat model (e.g. SmolLM2-135M-Instruct, `trl_dta.pretrained`) was trained on its
+(`envs.retail.protocol`). A pretrained chat model (e.g. SmolLM2-135M-Instruct, `demos.pretrained`) was trained on its
 chat template instead, so [`ChatTurns`] writes the same episode as chat messages: the policy document as the system
 message, a one-episode demonstration of the protocol as earlier turns, the user's opening; every agent turn is one
 assistant message, every answer a `tool` or `user` message, each rendered by the tokenizer's own template:

@@ -23,7 +23,7 @@ Six tools act on it. Each takes string arguments, returns one line of text and e
 A refusal is a [`ToolError`] whose message the environment sends back to the agent as the tool's answer; a tool never
 crashes the episode. "Identified" is per episode ([`Session`]): the policy document tells the agent to find the user
 before anything else, and the tools enforce it. Every string the tools produce is lowercase ASCII over the alphabet of
-the tiny tokenizer (`trl_dta.tiny.ALPHABET`), so the offline model can read and write all of it.
+the tiny tokenizer (`trl_dta.demos.tiny.ALPHABET`), so the offline model can read and write all of it.
 """
 
 from __future__ import annotations

@@ -169,12 +169,12 @@ def call_format_score(text: str) -> float:
 
 
 def protocol_tokenizer():
-    """The tiny character-level tokenizer (`trl_dta.tiny.build_tokenizer`) with the protocol's words as single tokens:
+    """The tiny character-level tokenizer (`demos.tiny.build_tokenizer`) with the protocol's words as single tokens:
     `say `, `call ` and the six tool names, as a chat model's tokenizer has its tool-call tokens. A random model then
     starts a well-formed turn with one right token instead of four or five right characters in a row, which the
     agent recipe's shaped rewards can teach a tiny model within a few minutes; every other text is still spelled
     character by character, and `decode(encode(text)) == text`."""
-    from ...tiny import build_tokenizer
+    from ...demos.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     tokenizer.add_tokens([f"{SAY} ", f"{CALL} ", *TOOLS])

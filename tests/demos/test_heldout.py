@@ -1,4 +1,4 @@
-"""`trl_dta.heldout`: greedy completions of a batch (the prompts' shared prefix forwarded once) equal transformers'
+"""`demos.heldout`: greedy completions of a batch (the prompts' shared prefix forwarded once) equal transformers'
 greedy `generate` on each prompt alone, and the reward sees them as TRL hands completions to it."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trl_dta import word_problems
-from trl_dta.heldout import greedy_completions, heldout_scores
+from trl_dta.demos import word_problems
+from trl_dta.demos.heldout import greedy_completions, heldout_scores
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The embedded vision-language setup: a tiny Qwen2-VL with random weights, its processor and a shape-counting task.
 
-Everything is built offline, in code, from fixed seeds, like the text default (`trl_dta.tiny`), so that the VLM recipe
+Everything is built offline, in code, from fixed seeds, like the text default (`demos.tiny`), so that the VLM recipe
 (`recipes/grpo_vlm.py`) and the tests run GRPO on images end to end on a CPU without downloading anything:
 
 - the **processor**: Qwen2-VL's own (`Qwen2VLProcessor`) over the tiny character-level tokenizer with Qwen2-VL's

@@ -1,4 +1,4 @@
-"""`trl_dta.word_problems`: the generated problems' answers are exact, the prompts are chat turns, and the two rewards
+"""`demos.word_problems`: the generated problems' answers are exact, the prompts are chat turns, and the two rewards
 score the docstring's table."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from trl_dta import word_problems
-from trl_dta.word_problems import INSTRUCTION, answer_reward, build_dataset, number_format_reward, questions
+from trl_dta.demos import word_problems
+from trl_dta.demos.word_problems import INSTRUCTION, answer_reward, build_dataset, number_format_reward, questions
 
 
 @pytest.mark.parametrize("op", sorted(word_problems.PROBLEMS))

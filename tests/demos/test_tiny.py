@@ -1,4 +1,4 @@
-"""The embedded default setup: tokenizer, model, dataset and reward (`trl_dta.tiny`), and its GRPO learning signal."""
+"""The embedded default setup: tokenizer, model, dataset and reward (`demos.tiny`), and its GRPO learning signal."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from trl_dta import tiny
+from trl_dta.demos import tiny
 
 
 @pytest.fixture(scope="module")
