@@ -20,7 +20,7 @@ from trl_dta.generation import CacheStats, Generation, TreeSampler
 from trl_dta.tiny import build_model as build_tiny_model
 from trl_dta.tiny import build_tokenizer
 from trl_dta.trainers import policy, tree_rollouts
-from trl_dta.trainers.window import HookState
+from trl_dta.trainers.state import HookState
 
 
 class PlainGenerate:

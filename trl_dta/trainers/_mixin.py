@@ -1,6 +1,6 @@
 """Dynamic Tree Attention inside TRL's trainers: the TRL hooks `DTAGRPOTrainer` and `DTARLOOTrainer` override. TRL's
 private state is read and written through `_trl.py` (the one module that touches it); what the hooks hand on are plain
-values, and what they share between calls is one [`~trl_dta.trainers.window.HookState`] (`_dta_state`).
+values, and what they share between calls is one [`~trl_dta.trainers.state.HookState`] (`_dta_state`).
 
 - `_prepare_inputs` (training): TRL's own, unless an opt-in regrouping applies (`micro_batches.py`: prompt groups kept
   in one micro-batch, `dta_group_shuffle`; groups exchanged between ranks, `dta_balance`). With
@@ -61,10 +61,11 @@ from .micro_batches import (
     split_by_groups,
     unpadded_metrics,
 )
+from .state import HookState
 from .step_forest import Cadence, buffered_window
 from .support import check_policy, check_schedule
 from .vllm_engine import check_vllm_mode, close_colocated_engine, colocated_engine
-from .window import HookState, WindowContext, as_trl_head_output, decide, run_window
+from .window import WindowContext, as_trl_head_output, decide, run_window
 
 
 class DTATrainerMixin:

@@ -12,7 +12,7 @@ advantages and the rows TRL could score.
 
 Hooks. TRL's `_generate_and_score_completions` calls `_generate_single_turn` (the trees) and then
 `_calculate_rewards` (the scorable rows) before it returns the scored batch. The trainer opens one [`TreeGeneration`]
-around that call (its hook state's `generation`, `window.HookState`), the two inner hooks fill it, and the trainer
+around that call (its hook state's `generation`, `state.HookState`), the two inner hooks fill it, and the trainer
 hands it to [`TreeRollouts.score`] explicitly: nothing of one generation outlives the call. TRL's private state is read
 through `_trl.py`.
 """
