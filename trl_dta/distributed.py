@@ -40,7 +40,7 @@ def gather_batch(accelerator, batch: dict, pad_token_id: int) -> dict:
 
     Per-row tensors are padded to the widest rank first (prompt tensors on the left, everything else on the right);
     scalars (`num_items_in_batch`) are already global and kept; None stays None. Ranks may hold different numbers of
-    rows (per-turn rows, `trainers/layouts.py`): the rows are then padded to the largest count for the gather and the
+    rows (per-turn rows, `trainers/per_turn.py`): the rows are then padded to the largest count for the gather and the
     padding dropped from the result.
     """
     from accelerate.utils import gather_object
