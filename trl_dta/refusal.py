@@ -34,7 +34,7 @@ ENGINE_ALTERNATIVE = (f"{DENSE_ALTERNATIVE}, or, without the trainers, call the 
                       "`DTAEngine`.")
 TRAINER_ALTERNATIVE = f"{DENSE_ALTERNATIVE}."
 
-# The subject of the refusals of a distributed setting (`parallel/`, `distributed.py`).
+# The subject of the refusals of a distributed setting (`parallel/`, `trainers/exchange.py`).
 DISTRIBUTED = "This distributed setup"
 
 # Where a blocker's settings go, as the message names it.

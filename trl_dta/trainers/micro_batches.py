@@ -44,7 +44,7 @@ from trl.trainer.utils import split_tensor_dict
 from .._checks import warn_once
 from ..balance import CostModel, forest_stats, partition
 from ..batch import Layout, group_ids, has_vision_inputs, num_rows, sequences, take_rows
-from ..distributed import redistribute
+from .exchange import redistribute
 
 # Loss types whose normaliser counts the rows of a rank's micro-batch (padding rows included), and the one that
 # counts its loss tokens (padding rows add none, but the count is the rank's own).
