@@ -38,10 +38,9 @@ from pathlib import Path
 from .._checks import check_choice
 from ..batch import SAMPLE_LAYOUTS
 
-__all__ = ["LAYOUTS", "AnalysisError", "group_label", "is_conversation_source", "is_tau2_source", "layout_rows",
+__all__ = ["AnalysisError", "group_label", "is_conversation_source", "is_tau2_source", "layout_rows",
            "load_conversations", "load_sequences", "load_tokenizer"]
 
-LAYOUTS = SAMPLE_LAYOUTS  # training layouts of a conversation
 ASSISTANT = "assistant"
 CONVERSATION_FIELDS = ("messages", "turns")
 
@@ -313,7 +312,7 @@ def layout_rows(ids: list[int], assistant_mask: list[bool], layout: str) -> list
     Returns:
         `list[list[int]]`: the rows (none for `"per_turn"` when no token is the assistant's).
     """
-    check_choice("layout", layout, LAYOUTS)
+    check_choice("layout", layout, SAMPLE_LAYOUTS)
     if len(ids) != len(assistant_mask):
         raise ValueError(f"`assistant_mask` has {len(assistant_mask)} entries for {len(ids)} tokens; give one per "
                          "token")

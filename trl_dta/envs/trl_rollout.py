@@ -14,8 +14,8 @@ trainer = GRPOTrainer(model=model, processing_class=tokenizer, train_dataset=bui
 Here `prompt_ids` is the episode's prompt and `completion_ids` the rest of the conversation (the "episode" layout).
 The extra keys `episode_reward` (`float`), `turn_spans` (`[[start, end], ...]`, positions of the agent turns in
 `prompt_ids + completion_ids`), `end_reason` and `success` carry what a per-turn layout needs to cut an episode into
-one sample per turn. Generation uses the trainer's policy as a generator (`trl_dta.trainers.policy`: the model held as
-TRL holds it for generation, ZeRO-3 and FSDP parameters gathered as TRL gathers them) and the trainer's sampling
+one sample per turn. Generation uses the trainer's policy as a generator (`trl_dta.trainers.generator`: the model
+held as TRL holds it for generation, ZeRO-3 and FSDP parameters gathered as TRL gathers them) and the trainer's sampling
 settings (`trainer.generation_config`: temperature, top-p, top-k, ...), with `max_completion_length` as the budget of
 each *turn* (64 fits every gold call of the retail domain).
 
@@ -55,8 +55,8 @@ from .rollout import check_branching, check_copyable, episode_columns, play_epis
 
 
 def check_vllm_rollouts(trainer, what: str) -> None:
-    """`trl_dta.trainers.policy.check_vllm_rollouts` (imported when a rollout runs: envs/ sits above trainers/)."""
-    from ..trainers.policy import check_vllm_rollouts as check
+    """`trl_dta.trainers.generator.check_vllm_rollouts` (imported when a rollout runs: envs/ sits above trainers/)."""
+    from ..trainers.generator import check_vllm_rollouts as check
 
     check(trainer, what)
 
@@ -210,10 +210,10 @@ class RolloutMeter:
 
 @contextlib.contextmanager
 def rollout_meter(trainer, tokenizer, generation_cache: bool):
-    """The trainer's policy as a generator (`trl_dta.trainers.policy.policy_generator`: unwrapped as TRL does, with
+    """The trainer's policy as a generator (`trl_dta.trainers.generator.policy_generator`: unwrapped as TRL does, with
     the trainer's sampling settings; [`~trl_dta.generation.CachedGenerate`] or the re-prefill path), in a
     [`RolloutMeter`]."""
-    from ..trainers.policy import policy_generator
+    from ..trainers.generator import policy_generator
 
     with policy_generator(trainer, tokenizer, cache=generation_cache) as generator:
         yield RolloutMeter(generator)

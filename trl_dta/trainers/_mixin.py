@@ -51,10 +51,10 @@ from .arg_checks import check_trainer_args, graph_budget
 from .config import DTAArguments, check_trl_version
 from .launch import check_launch
 from .micro_batches import RowSettings, balance_ranks, refit_cost_model, regrouping_exact, split_by_groups
+from .model_checks import check_policy, check_schedule
 from .per_turn import per_turn_buffer, per_turn_eval_rows, row_weight, unpadded_metrics
 from .state import HookState
 from .step_forest import Cadence, buffered_window
-from .support import check_policy, check_schedule
 from .vllm_engine import check_vllm_mode, close_colocated_engine, colocated_engine
 from .window import WindowContext, as_trl_head_output, decide, run_window
 
