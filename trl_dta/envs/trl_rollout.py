@@ -13,8 +13,9 @@ trainer = GRPOTrainer(model=model, processing_class=tokenizer, train_dataset=bui
 
 Here `prompt_ids` is the episode's prompt and `completion_ids` the rest of the conversation (the "episode" layout).
 The extra keys `episode_reward` (`float`), `turn_spans` (`[[start, end], ...]`, positions of the agent turns in
-`prompt_ids + completion_ids`), `end_reason` and `success` carry what a per-turn layout needs to cut an episode into
-one sample per turn. Generation uses the trainer's policy as a generator (`trl_dta.trainers.generator`: the model
+`prompt_ids + completion_ids`), `end_reason` and `success` are for reward functions and logs; the trainer cuts an
+episode into turns from `env_mask` (TRL's `tool_mask`, `trl_dta.trainers.per_turn`), never from `turn_spans`.
+Generation uses the trainer's policy as a generator (`trl_dta.trainers.generator`: the model
 held as TRL holds it for generation, ZeRO-3 and FSDP parameters gathered as TRL gathers them) and the trainer's sampling
 settings (`trainer.generation_config`: temperature, top-p, top-k, ...), with `max_completion_length` as the budget of
 each *turn* (64 fits every gold call of the retail domain).
