@@ -45,7 +45,7 @@ GROUPS = (
      "families whose images DTA runs, images among the scored tokens, keys that do not match the images",
      ("trl_dta/vision/",)),
     ("Several processes", "`accelerate launch`, DDP, FSDP2, DeepSpeed: the distributed settings DTA refuses",
-     ("trl_dta/parallel/", "trl_dta/distributed.py", "trl_dta/trainers/launch.py")),
+     ("trl_dta/parallel/", "trl_dta/trainers/exchange.py", "trl_dta/trainers/launch.py")),
     ("Calling the engine", "`DTAEngine`, `PrefixTree` and the kernels directly",
      ("trl_dta/engine/", "trl_dta/tree.py", "trl_dta/kernels/", "trl_dta/kv_stack.py", "trl_dta/modeling/lm_head.py",
       "trl_dta/modeling/routers.py", "trl_dta/modeling/switch.py",
@@ -71,7 +71,7 @@ GROUPS = (
 NOT_REFUSALS = ("ToolError", "ProtocolError")
 # A model's blockers go to the model group wherever they are found, except those of these modules (trainer arguments,
 # distributed settings, the generation cache), which stay in their module's group.
-_OWN_GROUP_BLOCKERS = ("trl_dta/trainers/config.py", "trl_dta/parallel/", "trl_dta/distributed.py",
+_OWN_GROUP_BLOCKERS = ("trl_dta/trainers/config.py", "trl_dta/parallel/", "trl_dta/trainers/exchange.py",
                        "trl_dta/generation/")
 _BUG = re.compile(r"internal error|this is a bug|please report", re.I)
 

@@ -247,13 +247,13 @@ def test_blocker_and_refusal_format():
 
 
 def test_trainer_refusal_in_the_trainers_words():
-    """From a trainer (`trainers/support.check_policy`), a refusal closes with `dta_enabled=False` alone (no
+    """From a trainer (`trainers/model_checks.check_policy`), a refusal closes with `dta_enabled=False` alone (no
     `DTAEngine` tail), lists the tested families only for an untested family, names `lora_dropout=0.0` for a LoRA
     adapter's dropout, and an engine argument by the `dta_*` field the user set."""
     from peft import get_peft_model
 
     from trl_dta.refusal import ENGINE_ALTERNATIVE, TRAINER_ALTERNATIVE
-    from trl_dta.trainers.support import check_policy
+    from trl_dta.trainers.model_checks import check_policy
 
     def refusal(model, build_engine=lambda: None) -> str:
         with pytest.raises(DTAUnsupportedError) as info:

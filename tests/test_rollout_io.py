@@ -1,6 +1,6 @@
 """Reading rollouts for `trl-dta analyze` (`analysis/rollout_io.py`): sequence formats and their errors, conversations
 (`messages` through a chat template, `turns` of token ids) and their layouts, checked against the trainers' per-turn
-expansion (`trainers/layouts.py`) and the environment's episodes (`envs/core/rollout.py`)."""
+expansion (`trainers/per_turn.py`) and the environment's episodes (`envs/core/rollout.py`)."""
 
 import json
 import random
@@ -13,7 +13,7 @@ from trl_dta.cli import main
 from trl_dta.demos.tiny import build_tokenizer
 from trl_dta.envs import RetailDomain, layout_sequences, play_episodes
 from trl_dta.generation import Generation
-from trl_dta.trainers.layouts import expand_per_turn
+from trl_dta.trainers.per_turn import expand_per_turn
 from trl_dta.tree import PrefixTree
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14]]
@@ -161,7 +161,7 @@ def _random_conversation(rng: random.Random, system: list[int]) -> tuple[list[li
 
 def test_per_turn_rows_are_the_trainers_expansion(tmp_path):
     # Conversations read from `turns` + `roles` become, per assistant turn, exactly the rows (prompt + completion) of
-    # `trainers.layouts.expand_per_turn` on TRL's episode batch: prompt = tokens before the first assistant token,
+    # `trainers.per_turn.expand_per_turn` on TRL's episode batch: prompt = tokens before the first assistant token,
     # completion = the rest, `tool_mask` = 1 on the assistant's tokens (adjacent assistant turns form one run).
     rng = random.Random(0)
     system = [rng.randrange(3, 60) for _ in range(9)]

@@ -3,7 +3,7 @@
     python tools/balance_trace.py            # the trainers' split and the default `partition`, on a fixed batch
 
 Runs [`trace_calls`] (`sys.setprofile` on Python call / return events) over `partition_for_ranks` (the split
-`micro_batches.balance_ranks` gets through `distributed.redistribute`: groups kept whole, equal count) and over
+`micro_batches.balance_ranks` gets through `trainers.exchange.redistribute`: groups kept whole, equal count) and over
 `partition(..., group_ids=...)` and `partition(...)` with the default strategy `"best"`, and prints per call:
 
 - `returns`: returns from a function of one `trl_dta` module into a function of another (all of `trl_dta`);

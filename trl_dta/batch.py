@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 # How a multi-turn rollout becomes training rows: "episode" (one row per episode, TRL's) or "per_turn" (one row per
-# assistant turn, the conversation up to and including it; `trainers/layouts.py`). One source for the trainers, the
+# assistant turn, the conversation up to and including it; `trainers/per_turn.py`). One source for the trainers, the
 # environment and the analyzer.
 SAMPLE_LAYOUTS = ("episode", "per_turn")
 

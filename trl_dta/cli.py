@@ -72,7 +72,7 @@ import sys
 from ._checks import check_float, check_int
 from .analysis import SourceOptions, analyze_source
 from .analysis.analyzer import DEFAULT_FRACTION_OF_IDEAL, DEFAULT_MAX_GRAPH_TOKENS
-from .analysis.rollout_io import LAYOUTS
+from .batch import SAMPLE_LAYOUTS
 
 __all__ = ["format_table", "main"]
 
@@ -208,7 +208,7 @@ def _parser() -> argparse.ArgumentParser:
                    "prompt+completion)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder or hub name for text input, and whose chat "
                    "template renders 'messages' (offline: a folder, e.g. build_chat_tokenizer().save_pretrained(DIR))")
-    p.add_argument("--layout", default=None, choices=[*LAYOUTS, "both"],
+    p.add_argument("--layout", default=None, choices=[*SAMPLE_LAYOUTS, "both"],
                    help="training layout(s) of conversations (default: both)")
     p.add_argument("--split", default=None, help="dataset split")
     p.add_argument("--group-field", default=None, help="per-row group label kept on one rank (default: the prompt "

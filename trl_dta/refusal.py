@@ -3,8 +3,8 @@ blocker named with its fix, in one message.
 
 A model can have several features DTA does not reproduce at once (a MoE router with jitter noise, dropout, a router
 loss of an unknown family, ...). Refusing them one at a time makes a user fix, retry and meet the next; so every check
-(`modeling`: the rule tables and the probe; `trainers/support.py`: what only a trainer knows) returns [`Blocker`]s, and
-one [`DTAUnsupportedError`] lists them all:
+(`modeling`: the rule tables and the probe; `trainers/model_checks.py`: what only a trainer knows) returns
+[`Blocker`]s, and one [`DTAUnsupportedError`] lists them all:
 
 ```
 MixtralForCausalLM (model type 'mixtral') cannot run through DTA:
@@ -34,7 +34,7 @@ ENGINE_ALTERNATIVE = (f"{DENSE_ALTERNATIVE}, or, without the trainers, call the 
                       "`DTAEngine`.")
 TRAINER_ALTERNATIVE = f"{DENSE_ALTERNATIVE}."
 
-# The subject of the refusals of a distributed setting (`parallel/`, `distributed.py`).
+# The subject of the refusals of a distributed setting (`parallel/`, `trainers/exchange.py`).
 DISTRIBUTED = "This distributed setup"
 
 # Where a blocker's settings go, as the message names it.

@@ -1,7 +1,7 @@
 """The `Generator` protocol (`trl_dta/generation/generator.py`) is real: a second `Generator`, written here (plain
 `model.generate` on whole prompts, no cache), plugs into the trainer's tree rollouts (`TreeRollouts`) and the agent
 rollout function (`AgentRolloutFunc`) through the one place that chooses the implementation
-(`trl_dta.trainers.policy.policy_generator`), without changing either: they sample through it and return its
+(`trl_dta.trainers.generator.policy_generator`), without changing either: they sample through it and return its
 log-probs."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from trl_dta.demos.tiny import build_model as build_tiny_model
 from trl_dta.demos.tiny import build_tokenizer
 from trl_dta.envs import AgentRolloutFunc
 from trl_dta.generation import CacheStats, Generation, TreeSampler
-from trl_dta.trainers import policy, tree_rollouts
-from trl_dta.trainers.window import HookState
+from trl_dta.trainers import tree_rollouts
+from trl_dta.trainers.state import HookState
 
 
 class PlainGenerate:
@@ -59,7 +59,7 @@ def _plug(monkeypatch, generator):
     def policy_generator(trainer, tokenizer=None, *, cache=True):
         yield generator
 
-    monkeypatch.setattr(policy, "policy_generator", policy_generator)
+    monkeypatch.setattr("trl_dta.trainers.generator.policy_generator", policy_generator)
     monkeypatch.setattr(tree_rollouts, "policy_generator", policy_generator)
 
 

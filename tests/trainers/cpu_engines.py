@@ -1,7 +1,7 @@
 """Real FSDP2 and DeepSpeed on a CPU machine, for the launched test scripts (`dist_run.py`, `refuse_run.py`, the
 benchmarks): accelerate's upgrade to them on CPU processes (`trl_dta.parallel.cpu.enable_cpu_engines`, re-exported
-here), assertions that they really ran ([`assert_fsdp2`], `dist_run.assert_deepspeed`, [`Zero3Probe`]), so that a silent
-fall-back to DDP can never pass, and counters of their collectives.
+here), assertions that they really ran ([`assert_fsdp2`], `run_probes.assert_deepspeed`, [`Zero3Probe`]), so that a
+silent fall-back to DDP can never pass, and counters of their collectives.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Multi-turn agent episodes in `DTAGRPOTrainer`: both sample layouts, DTA against TRL's dense path on the same rows.
 
 Episodes are the real retail environment's (`trl_dta.envs`), played by scripted agents and handed to the trainer as
-TRL's `rollout_func` (`test_layouts.ReplayRollout`): generation is not what is tested here, and replaying keeps the
+TRL's `rollout_func` (`test_per_turn.ReplayRollout`): generation is not what is tested here, and replaying keeps the
 tests fast. The trained model is real (the tiny Qwen2 of `demos.tiny`, float32), as are the trainers, the rewards
 (`trl_dta.envs.episode_reward`), the advantages and the optimizer (SGD, so updates are proportional to gradients).
 
@@ -26,7 +26,7 @@ from trl_dta.envs import build_dataset, episode_reward
 from trl_dta.trainers import DTAGRPOConfig, DTAGRPOTrainer, DTARLOOConfig
 
 from .conftest import Run, assert_equivalent, assert_params_close, make_args
-from .test_layouts import MAX_TOKENS, ReplayRollout
+from .test_per_turn import MAX_TOKENS, ReplayRollout
 
 G = 4
 

@@ -1,7 +1,7 @@
 """The per-turn layout on several processes (`accelerate launch`, gloo on CPU), with any number of turn rows per rank.
 
 Each generation's 16 episodes (two tasks per rank, `G` episodes each) expand into a different number of turn rows on
-each rank; every micro-batch is padded to the largest rank's count with rows that carry no loss (`micro_batches.
+each rank; every micro-batch is padded to the largest rank's count with rows that carry no loss (`per_turn.
 per_turn_buffer`). The runs compare, in float64, every parameter's update within 1e-5 of the update (float32 rounding
 through ~700-token attention alone reaches a few 1e-4 of the smallest updates), and the logged losses:
 
@@ -14,7 +14,7 @@ through ~700-token attention alone reaches a few 1e-4 of the smallest updates), 
 This file is also the launched module (`python -m trainers.test_agent_distributed --out run.pt --model_dir DIR
 --configs 'loss_type=dapo;loss_type=cispo,balance=0'` with `tests/` and the repository root on the path; plain `python`
 for one process): for each configuration in turn it trains two optimizer steps on replayed episodes
-(`test_layouts.ReplayRollout`) and saves rank 0's parameters and logs, and every rank's real and padded rows per
+(`test_per_turn.ReplayRollout`) and saves rank 0's parameters and logs, and every rank's real and padded rows per
 micro-batch, to `<out stem>-<index>.pt`. All the configurations of one process count (`CONFIGS`) share one launch
 (process start-up and imports are most of a launch); each one's stderr is told apart by a marker line, and
 `warn_once`'s record is cleared before each, so that every configuration logs its own warnings.
@@ -161,7 +161,7 @@ def test_per_turn_two_processes_unequal_rows_equal_one_process(runs, loss_type):
 @pytest.mark.slow
 def test_per_turn_two_processes_row_mean_loss_equals_one_process(runs):
     # `grpo` averages each micro-batch's rows: each rank's loss carries the factor processes x padded rows / all real
-    # rows (`micro_batches.row_weights`), which makes it the 1-process objective whenever the micro-batches' sizes do
+    # rows (`per_turn.row_weights`), which makes it the 1-process objective whenever the micro-batches' sizes do
     # not depend on where rows go, e.g. one micro-batch per generation (`gradient_accumulation_steps=1`).
     ref, run = runs(1, loss_type="grpo", ga=1), runs(2, loss_type="grpo", ga=1)
     rows = real_rows(run)
@@ -213,7 +213,7 @@ def train_one(flags, out, last: bool = True) -> None:
     from accelerate.utils import DistributedType, gather_object
 
     from trainers.conftest import make_args
-    from trainers.test_layouts import ReplayRollout
+    from trainers.test_per_turn import ReplayRollout
     from trl_dta.demos.tiny import build_tokenizer
     from trl_dta.envs import RetailDomain, build_dataset, episode_reward
     from trl_dta.trainers import DTAGRPOConfig, DTAGRPOTrainer

@@ -7,7 +7,7 @@ every variant one after the other:
   updates are a few float32 ulps of the parameters at the tests' learning rates, so the parameters' own rounding is
   about 1e-3 of the update (measured 9e-10 on an update of 4e-7), whatever computes them;
 - TRL's default bf16: DTA's update within TRL's own bf16 error (`conftest.assert_bf16_bar`); every run asserts the
-  dtypes its optimizer steps ran in (`dist_run.assert_precision`), the FSDP2 runs that their parameters were DTensors;
+  dtypes its optimizer steps ran in (`run_probes.assert_precision`), the FSDP2 runs that their parameters were DTensors;
 - FSDP2's per-layer schedule (`dta_fsdp_schedule="layer"`, packed rows in lockstep) refused at construction, naming
   the window schedule.
 """

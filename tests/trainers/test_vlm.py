@@ -17,8 +17,8 @@ weights moved.
 
 `dta_group_shuffle=True` with images: every micro-batch holds one whole group (one image), float64 updates equal TRL's.
 
-At construction (`trainers/support.py`): a vision-language family whose images DTA does not run is refused (Gemma 3),
-a supported one builds its engine, and FSDP2's per-layer schedule is refused for it.
+At construction (`trainers/model_checks.py`): a vision-language family whose images DTA does not run is refused
+(Gemma 3), a supported one builds its engine, and FSDP2's per-layer schedule is refused for it.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from trl_dta.demos import tiny_vlm
 from trl_dta.parallel.fsdp2 import FSDP2
 from trl_dta.refusal import DTAUnsupportedError
 from trl_dta.trainers import DTAGRPOConfig, DTAGRPOTrainer, DTARLOOConfig, DTARLOOTrainer
-from trl_dta.trainers.support import check_policy, check_schedule
+from trl_dta.trainers.model_checks import check_policy, check_schedule
 from vision_models import VOCAB, make_vlm
 
 from .conftest import assert_equivalent, assert_params_close, compare_in_precision, train

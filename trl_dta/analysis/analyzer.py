@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from .._checks import check_float, check_int
+from ..batch import SAMPLE_LAYOUTS
 from .rollout_io import (
-    LAYOUTS,
     AnalysisError,
     is_conversation_source,
     is_tau2_source,
@@ -357,7 +357,7 @@ def _load(source: str, options: SourceOptions) -> tuple[list, list | None, dict,
             if group_field is None and not options.no_groups:
                 group_field = "task_id"  # the trials of a tau2 task
         conversations, groups = load_conversations(source, options.tokenizer, options.split, group_field)
-        layouts = LAYOUTS if options.layout in (None, "both") else (options.layout,)
+        layouts = SAMPLE_LAYOUTS if options.layout in (None, "both") else (options.layout,)
         rows = {layout: None if layout == "episode" else [layout_rows(ids, mask, layout) for ids, mask in conversations]
                 for layout in layouts}
         return [ids for ids, _ in conversations], groups, rows, None, notes

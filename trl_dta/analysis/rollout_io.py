@@ -19,7 +19,7 @@ message) is context: its tokens are not assistant tokens, so it is neither train
 `messages[:k]` and `messages[:k + 1]`, so every rendering of a shorter conversation must be a prefix of the whole one
 (a template that rewrites earlier turns, e.g. drops their reasoning, is refused: give `turns` instead). A conversation
 is then what TRL's multi-turn rollouts give: one token sequence and a loss mask that is 1 on the assistant's tokens.
-The layouts are those of `trl_dta.trainers.layouts` (`dta_sample_layout`):
+The layouts are those of `trl_dta.trainers.per_turn` (`dta_sample_layout`):
 
 ```
 tokens      s s s u u a a a u u t t a a a a         s: system, u: user, t: tool, a: assistant
@@ -38,10 +38,9 @@ from pathlib import Path
 from .._checks import check_choice
 from ..batch import SAMPLE_LAYOUTS
 
-__all__ = ["LAYOUTS", "AnalysisError", "group_label", "is_conversation_source", "is_tau2_source", "layout_rows",
+__all__ = ["AnalysisError", "group_label", "is_conversation_source", "is_tau2_source", "layout_rows",
            "load_conversations", "load_sequences", "load_tokenizer"]
 
-LAYOUTS = SAMPLE_LAYOUTS  # training layouts of a conversation
 ASSISTANT = "assistant"
 CONVERSATION_FIELDS = ("messages", "turns")
 
@@ -308,12 +307,12 @@ def layout_rows(ids: list[int], assistant_mask: list[bool], layout: str) -> list
         assistant_mask (`list[bool]`): `(length,)`, true on the assistant's tokens (TRL's `completion_mask *
             tool_mask` over the completion, false over the prompt).
         layout (`str`): `"episode"` (the whole conversation) or `"per_turn"` (`ids[:end]` for the `end` of every
-            maximal run of assistant tokens, as `trl_dta.trainers.layouts.turn_spans` cuts them).
+            maximal run of assistant tokens, as `trl_dta.trainers.per_turn.turn_spans` cuts them).
 
     Returns:
         `list[list[int]]`: the rows (none for `"per_turn"` when no token is the assistant's).
     """
-    check_choice("layout", layout, LAYOUTS)
+    check_choice("layout", layout, SAMPLE_LAYOUTS)
     if len(ids) != len(assistant_mask):
         raise ValueError(f"`assistant_mask` has {len(assistant_mask)} entries for {len(ids)} tokens; give one per "
                          "token")

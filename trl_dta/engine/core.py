@@ -27,8 +27,8 @@ from ..precision import Precision
 from ..recurrent import LayerLayout
 from ..refusal import Blocker, refuse
 from ..tree import PrefixTree
-from . import router_loss as routers
 from .plan import ScorePlan
+from .router_loss import LoadBalancing, RouterObserver, new_record, router_weights
 from .schedule import DEFAULT_COST, Budgets, RowCost
 from .walk import Lockstep, LossFn, TreeWalk
 
@@ -200,7 +200,7 @@ class DTAEngine:
     @torch.no_grad()
     def logprobs(self, seqs: Iterable | PrefixTree, *, temperature: float = 1.0, entropy: bool = False,
                  n_scored: int | Sequence[int] | None = None,
-                 router_loss: routers.LoadBalancing | None = None, lockstep: Lockstep | None = None,
+                 router_loss: LoadBalancing | None = None, lockstep: Lockstep | None = None,
                  images: Sequence[vision.ImageInputs | None] | vision.ImageTable | None = None) -> DTAOutput:
         """Per-sequence next-token log-probs (and entropies), without grad.
 
@@ -230,7 +230,7 @@ class DTAEngine:
 
     def forward_backward(self, seqs: Iterable | PrefixTree, loss_fn: LossFn, *, temperature: float = 1.0,
                          entropy: bool = False, n_scored: int | Sequence[int] | None = None,
-                         router_loss: routers.LoadBalancing | None = None, lockstep: Lockstep | None = None,
+                         router_loss: LoadBalancing | None = None, lockstep: Lockstep | None = None,
                          images: Sequence[vision.ImageInputs | None] | vision.ImageTable | None = None) -> DTAOutput:
         """Run `sum_i loss_fn(i, logps_i, entropy_i)` forward and backward through the tree.
 
@@ -266,7 +266,7 @@ class DTAEngine:
     # ------------------------------------------------------------------ one call
 
     def _call(self, seqs, *, loss_fn: LossFn | None, temperature: float, entropy: bool, n_scored,
-              router_loss: routers.LoadBalancing | None, lockstep: Lockstep | None, images=None) -> DTAOutput:
+              router_loss: LoadBalancing | None, lockstep: Lockstep | None, images=None) -> DTAOutput:
         t0 = time.perf_counter()
         lockstep = self.lockstep if lockstep is None else lockstep
         temperature = _checks.check_float("temperature", temperature, minimum=0.0, exclusive=True)
@@ -306,8 +306,8 @@ class DTAEngine:
                 observer, aux, counted = self._router_counts(lm, walked, budgets, backend, spec, capture, router_loss,
                                                              lockstep, inputs)
             elif spec is not None:  # no grad: the walk itself counts
-                record = routers.new_record(walked, spec, lm.dtype, lm.get_output_embeddings().weight.device)
-                observer = routers.RouterObserver(capture, spec, record=record)
+                record = new_record(walked, spec, lm.dtype, lm.get_output_embeddings().weight.device)
+                observer = RouterObserver(capture, spec, record=record)
             result = TreeWalk(lm, self.layout, walked, plan, budgets, loss_fn=loss_fn, temperature=temperature,
                               entropy=entropy, attn_backend=backend, precision=self._precision(lm), router=observer,
                               lockstep=lockstep, inputs=inputs).run()
@@ -315,7 +315,7 @@ class DTAEngine:
                 result.stats["backwards"] += int(inputs.backward())  # the tower, once, with every sequence's gradient
                 result.stats.update(inputs.stats)
         if record is not None:
-            aux = routers.router_weights(record, walked, router_loss, spec.n_experts).aux
+            aux = router_weights(record, walked, router_loss, spec.n_experts).aux
         elif aux is not None:
             coefs = torch.tensor([float(c) for c in router_loss.coefs], dtype=aux.dtype, device=aux.device)
             result.loss = result.loss + (coefs * aux).sum().to(result.loss.device, result.loss.dtype)
@@ -332,15 +332,15 @@ class DTAEngine:
         """The counting pass of the load-balancing loss (`router_loss.py`): a no-grad walk without the LM head.
         Returns the training walk's observer, each group's loss value `(n_groups,)` and the pass's counters."""
         device = lm.get_output_embeddings().weight.device
-        record = routers.new_record(tree, spec, lm.dtype, device)
-        counting = routers.RouterObserver(capture, spec, record=record)
+        record = new_record(tree, spec, lm.dtype, device)
+        counting = RouterObserver(capture, spec, record=record)
         plan = ScorePlan(tree, [0] * tree.n_sequences)
         with torch.no_grad():
             walk = TreeWalk(lm, self.layout, tree, plan, budgets, attn_backend=backend,  # no grad, log-probs only
                              precision=self._precision(lm), router=counting, lockstep=lockstep, inputs=inputs)
             stats = walk.run().stats
-        weights = routers.router_weights(record, tree, request, spec.n_experts)
-        return routers.RouterObserver(capture, spec, weights=weights.weights), weights.aux, stats
+        weights = router_weights(record, tree, request, spec.n_experts)
+        return RouterObserver(capture, spec, weights=weights.weights), weights.aux, stats
 
     def _refuse_lockstep(self, lockstep: Lockstep | None) -> None:
         if lockstep is not None:
@@ -392,7 +392,7 @@ class DTAEngine:
 
 def _router_request(router_loss):
     """`router_loss` checked for its type (its groups are checked against the tree)."""
-    if router_loss is not None and not isinstance(router_loss, routers.LoadBalancing):
+    if router_loss is not None and not isinstance(router_loss, LoadBalancing):
         raise TypeError(f"`router_loss` must be a `LoadBalancing` or None, got {type(router_loss).__name__}.")
     return router_loss
 

@@ -3,7 +3,7 @@
 A [`Generator`] is the policy with its sampling settings, for one rollout: token ids in, sampled token ids and their
 sampling log-probs out. Tree rollouts (`tree_sampling.py`, level by level), the multi-turn agent loop
 (`envs/core/rollout.py`) and TRL's hooks (`trainers/tree_rollouts.py`, `envs/core/trl.py`) call only this; which
-implementation runs is decided in one place (`trainers/policy.py`, from the trainer):
+implementation runs is decided in one place (`trainers/generator.py`, from the trainer):
 
 - [`~generation.CachedGenerate`]: transformers' `generate` over a [`~generation.PrefixCache`] (the default);
 - [`~generation.reprefill_generate_fn`]: transformers' `generate` on whole prompts, no reuse.

@@ -19,7 +19,7 @@ rows of different lengths side by side). A row's tokens are either *cached* (for
 everything is forwarded, the row has its next-token logits *ready*.
 
 [`forward`] forwards the pending tokens of a batch of rows; each layer's attention (the `"dta_generate"`
-implementation, `generation.attention`) is the softmax over all of a row's keys, computed in parts merged by
+implementation, `generation.cache_attention`) is the softmax over all of a row's keys, computed in parts merged by
 log-sum-exp (the engine's two-part idea, `kernels.two_part`):
 
 ```
@@ -80,7 +80,7 @@ import torch
 from .._checks import check_int
 from ..modeling.switch import attention_implementation
 from ..refusal import Blocker, refuse
-from .attention import ATTN_IMPLEMENTATION, GenerationBatch, register
+from .cache_attention import ATTN_IMPLEMENTATION, GenerationBatch, register
 
 
 @dataclass

@@ -326,7 +326,7 @@ def sample_tree_levels(
 class TreeSampler:
     """The settings of a rollout's tree sampling, as plain values: what [`sample_trees`] needs besides the model and
     the prompts (the trainer hook reads them from TRL's state once, at construction). [`sample`] samples through any
-    [`~generation.generator.Generator`] (the trainer's policy, `trainers/policy.py`), with the generator's sampling
+    [`~generation.generator.Generator`] (the trainer's policy, `trainers/generator.py`), with the generator's sampling
     settings; calling the sampler with a model samples through a [`~generation.CachedGenerate`] of it with these.
 
     Args:

@@ -119,7 +119,7 @@ class VLLMGenerate:
 
     Unlike the transformers generators it holds no keys/values itself: the engine's prefix cache does, across
     generators and calls (so one made per rollout costs nothing), and it samples the weights the engine holds (a
-    trainer syncs them before a rollout: `trl_dta.trainers.policy`).
+    trainer syncs them before a rollout: `trl_dta.trainers.generator`).
 
     Args:
         llm (`vllm.LLM`): the engine, built with `logprobs_mode="processed_logprobs"` (TRL's colocated engine is).

@@ -4,8 +4,12 @@ and DDP ([`DataParallel`]: replicas, one explicit all-reduce per optimizer windo
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 
-from ..distributed import all_reduce_gradients, trainable_parameters
+import torch
+import torch.distributed as dist
+
+_BUCKET_BYTES = 32 * 1024 * 1024
 
 
 class Local:
@@ -57,7 +61,7 @@ class Local:
 class DataParallel(Local):
     """DDP: every rank holds a replica. The engine back-propagates on the unwrapped model, which DDP's reducer never
     sees (it arms its hooks in its own `forward`), so every micro-step runs under `no_sync` and the gradients are
-    averaged once per window, explicitly (`distributed.all_reduce_gradients`: bucketed, flattened all-reduces)."""
+    averaged once per window, explicitly ([`all_reduce_gradients`]: bucketed, flattened all-reduces)."""
 
     name = "ddp"
     description = "DDP, one all-reduce per optimizer step"
@@ -71,3 +75,40 @@ class DataParallel(Local):
     def end_window(self, model) -> None:
         all_reduce_gradients(trainable_parameters(self.accelerator.unwrap_model(model)),
                              self.accelerator.num_processes)
+
+
+def trainable_parameters(model) -> list[torch.nn.Parameter]:
+    """Parameters that receive gradients, in a fixed order (the same on every rank)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+@torch.no_grad()
+def all_reduce_gradients(params: Iterable[torch.nn.Parameter], world_size: int, group=None) -> None:
+    """Average `.grad` over all ranks, in place, as DDP would (sum / world size).
+
+    Every rank must pass the same parameters in the same order; a missing gradient counts as zeros (and is then
+    allocated), so that a rank whose micro-batches did not touch a parameter still takes part in its reduction.
+    """
+    params = list(params)
+    if world_size == 1 or not params:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for p in params + [None]:
+        if p is not None and (not bucket or (size + p.grad.nbytes <= _BUCKET_BYTES and p.grad.dtype == bucket[0].dtype
+                                             and p.grad.device == bucket[0].device)):
+            bucket.append(p.grad)
+            size += p.grad.nbytes
+            continue
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        flat.div_(world_size)
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        if p is not None:
+            bucket, size = [p.grad], p.grad.nbytes

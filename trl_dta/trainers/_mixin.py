@@ -1,11 +1,11 @@
 """Dynamic Tree Attention inside TRL's trainers: the TRL hooks `DTAGRPOTrainer` and `DTARLOOTrainer` override. TRL's
 private state is read and written through `_trl.py` (the one module that touches it); what the hooks hand on are plain
-values, and what they share between calls is one [`~trl_dta.trainers.window.HookState`] (`_dta_state`).
+values, and what they share between calls is one [`~trl_dta.trainers.state.HookState`] (`_dta_state`).
 
 - `_prepare_inputs` (training): TRL's own, unless an opt-in regrouping applies (`micro_batches.py`: prompt groups kept
   in one micro-batch, `dta_group_shuffle`; groups exchanged between ranks, `dta_balance`). With
   `dta_sample_layout='per_turn'`, also when DTA is off, multi-turn episodes become one row per assistant turn
-  (`layouts.py`).
+  (`per_turn.py`).
 - `_get_per_token_logps_and_entropies` (no-grad calls: old-policy and reference log-probs, evaluation): the whole
   batch goes through `DTAEngine.logprobs` over its prefix tree.
 - `compute_loss` (training): at the first micro-step of an accumulation window, the window's micro-batches TRL has
@@ -50,21 +50,13 @@ from . import _trl
 from .arg_checks import check_trainer_args, graph_budget
 from .config import DTAArguments, check_trl_version
 from .launch import check_launch
-from .layouts import ROW_WEIGHT_KEY
-from .micro_batches import (
-    RowSettings,
-    balance_ranks,
-    per_turn_buffer,
-    per_turn_eval_rows,
-    refit_cost_model,
-    regrouping_exact,
-    split_by_groups,
-    unpadded_metrics,
-)
+from .micro_batches import RowSettings, balance_ranks, refit_cost_model, regrouping_exact, split_by_groups
+from .model_checks import check_policy, check_schedule
+from .per_turn import per_turn_buffer, per_turn_eval_rows, row_weight, unpadded_metrics
+from .state import HookState
 from .step_forest import Cadence, buffered_window
-from .support import check_policy, check_schedule
 from .vllm_engine import check_vllm_mode, close_colocated_engine, colocated_engine
-from .window import HookState, WindowContext, as_trl_head_output, decide, run_window
+from .window import WindowContext, as_trl_head_output, decide, run_window
 
 
 class DTATrainerMixin:
@@ -156,7 +148,7 @@ class DTATrainerMixin:
         return engine
 
     def _dta_rows(self) -> RowSettings:
-        """TRL's settings the regroupings and per-turn rows depend on (`micro_batches.py`)."""
+        """TRL's settings the regroupings and per-turn rows depend on (`micro_batches.py`, `per_turn.py`)."""
         return RowSettings(
             steps_per_generation=self.args.steps_per_generation,
             gradient_accumulation_steps=self.args.gradient_accumulation_steps,
@@ -203,7 +195,7 @@ class DTATrainerMixin:
         return _trl.buffered_inputs(self)[self._dta_cadence.index(_trl.step(self))]
 
     def _dta_prepare_per_turn(self, generation_batch):
-        """TRL's `_prepare_inputs` with one row per assistant turn, DTA on or off (`micro_batches.per_turn_buffer`):
+        """TRL's `_prepare_inputs` with one row per assistant turn, DTA on or off (`per_turn.per_turn_buffer`):
         each generation's episodes become turn rows (exchanged between ranks with `dta_balance`), shuffled by TRL's
         draw, cut into `steps_per_generation` micro-batches that keep every row and padded to equal counts across
         ranks (with the row-count factor of the row-mean loss types, applied by `_dta_trl_loss` and the per-sequence
@@ -310,11 +302,11 @@ class DTATrainerMixin:
     def _dta_trl_loss(self, model, inputs: dict) -> torch.Tensor:
         """TRL's loss of a micro-batch as DTA's trainers train it: TRL's `_compute_loss`, its per-sequence metrics
         corrected for per-turn padding rows, times the micro-batch's row weight (per-turn rows on several processes,
-        `micro_batches.row_weights`). The one place TRL's objective gets the weight; the per-sequence objective gets
+        `per_turn.row_weights`). The one place TRL's objective gets the weight; the per-sequence objective gets
         it where it is built (`_dta_sequence_loss`)."""
         with unpadded_metrics(_trl.metrics(self), getattr(self, "importance_sampling_level", "token"), inputs):
             loss = _trl.compute_loss(self, model, inputs)
-        weight = inputs.get(ROW_WEIGHT_KEY, 1.0)
+        weight = row_weight(inputs)
         return loss if weight == 1.0 else loss * weight
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -346,7 +338,7 @@ class DTATrainerMixin:
         not a sum over sequences."""
         if _trl.own_compute_loss(type(self), self._dta_trl_class):
             return None  # a subclass's own objective: only the two-pass path is exact for any function of logps
-        return self._dta_loss_class(self, inputs, scale * inputs.get(ROW_WEIGHT_KEY, 1.0),
+        return self._dta_loss_class(self, inputs, scale * row_weight(inputs),
                                     entropy_coef=_trl.entropy_coef(self))
 
     def _dta_loss_scale(self, num_items_in_batch) -> float:

@@ -5,7 +5,8 @@ was read from; everything else in `trl_dta` calls these functions and holds plai
 
 An upgrade of TRL is a read of this module against the new `trl/trainer/grpo_trainer.py` and `rloo_trainer.py`: each
 entry of [`PRIVATE_ATTRIBUTES`] and [`OVERRIDDEN_HOOKS`] names what to check (another TRL minor version than
-`config.TESTED_TRL_VERSIONS` gets a warning at construction).
+`config.TESTED_TRL_VERSIONS` gets a warning at construction; `tests/trainers/test_trl_signatures.py` compares every
+overridden method's signature with the installed TRL's and names the drift).
 """
 
 from __future__ import annotations

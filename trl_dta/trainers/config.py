@@ -291,7 +291,7 @@ DETAILS = {
         "once. Applies with `dta_enabled=False` too: TRL's dense path then trains on the same per-turn micro-batches. "
         "'per_turn' keeps every turn (micro-batches of near-equal size instead of TRL's equal split), and turns "
         "instead of episodes are what `grpo`, `sapo`, `luspo`, `bnpo` and `dr_grpo` average over (`dapo` and `cispo` "
-        "weigh every policy token as 'episode' does); see `trl_dta.trainers.layouts`. Any number of processes: ranks "
+        "weigh every policy token as 'episode' does); see `trl_dta.trainers.per_turn`. Any number of processes: ranks "
         "hold different numbers of turn rows, and each micro-batch is padded to the largest rank's count with rows "
         "that carry no loss (and, for the row-mean loss types, a factor on each micro-batch's loss undoes the "
         "padding's extra rows); with `gradient_accumulation_steps` a multiple of `steps_per_generation` the objective "

@@ -42,7 +42,8 @@ def parameters_doc(cls: type, sections, details: dict[str, str]) -> str:
         for name in names:
             f = by_name[name]
             lines.append(f"        {f.name} (`{_type_name(cls, f)}`, *optional*, defaults to `{f.default}`):")
-            lines += textwrap.wrap(_text(f, details), width=116, initial_indent=" " * 12, subsequent_indent=" " * 12)
+            lines += textwrap.wrap(_text(f, details), width=116, initial_indent=" " * 12, subsequent_indent=" " * 12,
+                                   break_on_hyphens=False)  # a break in "row-mean" reads "row- mean"
         lines.append("")
     return "\n".join(lines)
 

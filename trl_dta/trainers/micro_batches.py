@@ -15,14 +15,14 @@ Moving rows changes nothing in an update only if every optimizer step still sees
 micro-batch is a sum over its rows with constants independent of which other rows share it. [`regrouping_changes`]
 names the settings that break this.
 
-Per-turn rows (`dta_sample_layout="per_turn"`, [`per_turn_buffer`]): each rank expands its episodes into turn rows
-(`layouts.py`), so ranks hold different numbers of rows; micro-batch `k` of every rank is padded to the largest rank's
+Per-turn rows (`dta_sample_layout="per_turn"`, `per_turn.py`): each rank expands its episodes into turn rows, so
+ranks hold different numbers of rows; micro-batch `k` of every rank is padded to the largest rank's
 count with rows that carry no loss. With `dta_balance`, whole prompt groups of turn rows (a task's `num_generations`
 episodes, all their turns) move between ranks first, chosen on the exact cost of each rank's per-turn forest. Which
 rank holds which row changes nothing in the objective when its normaliser is global (`num_items_in_batch`: `dapo`,
 `cispo`, `vespo`) and every optimizer step spans whole generations. The row-mean loss types (`grpo`, `sapo`,
-`luspo`, `dr_grpo`) count the padding rows; each micro-batch's loss carries the factor [`row_weights`] that undoes
-this, and the ranks' micro-batches together get the sizes one process would cut, so they too are exact when those
+`luspo`, `dr_grpo`) count the padding rows; each micro-batch's loss carries the factor `per_turn.row_weights` that
+undoes this, and the ranks' micro-batches together get the sizes one process would cut, so they too are exact when those
 sizes are equal. [`per_turn_changes`] names what breaks this (then `dta_balance` leaves the rows where they are, and
 a warning says so when the counts differ):
 
@@ -35,30 +35,20 @@ rank 1 turn rows: 5 -> micro-batches of 2, 3          padded to 4, 3    ("+": a 
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 from accelerate.utils import gather_object
-from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
+from trl.trainer.utils import split_tensor_dict
 
 from .._checks import warn_once
 from ..balance import CostModel, forest_stats, partition
 from ..batch import Layout, group_ids, has_vision_inputs, num_rows, sequences, take_rows
-from ..distributed import redistribute
-from .layouts import (
-    ROW_COUNTS_KEY,
-    ROW_WEIGHT_KEY,
-    episode_of_rows,
-    expand_per_turn,
-    pad_rows,
-    split_rows,
-    split_sizes_across,
-)
+from .exchange import redistribute
 
 # Loss types whose normaliser counts the rows of a rank's micro-batch (padding rows included), and the one that
 # counts its loss tokens (padding rows add none, but the count is the rank's own).
-_ROW_NORMALISED = {"grpo": "averages the rows of each micro-batch", "sapo": "averages the rows of each micro-batch",
+ROW_NORMALISED = {"grpo": "averages the rows of each micro-batch", "sapo": "averages the rows of each micro-batch",
                    "luspo": "averages the rows of each micro-batch",
                    "dr_grpo": "divides by the rows of each micro-batch times max_completion_length"}
 
@@ -223,12 +213,12 @@ def per_turn_changes(settings: RowSettings, total_rows: int | None = None) -> st
             f"multiple of steps_per_generation={spg}), so each step trains on the rows its micro-batches happen to hold"
         )
     loss_type = settings.loss_type
-    if loss_type in _ROW_NORMALISED and not entropy_bonus and spg > 1 and (total_rows is None or total_rows % spg):
+    if loss_type in ROW_NORMALISED and not entropy_bonus and spg > 1 and (total_rows is None or total_rows % spg):
         rows = "an unknown number of" if total_rows is None else f"{total_rows}"
         reasons.append(f"loss_type='{loss_type}' weighs a row by 1 / (rows of its micro-batch), and {rows} turn rows "
                        f"do not split into {spg} equal micro-batches, so a row's weight depends on where it goes")
-    if loss_type in _ROW_NORMALISED and entropy_bonus:
-        reasons.append(f"loss_type='{loss_type}' {_ROW_NORMALISED[loss_type]}, and a rank's micro-batch is padded to "
+    if loss_type in ROW_NORMALISED and entropy_bonus:
+        reasons.append(f"loss_type='{loss_type}' {ROW_NORMALISED[loss_type]}, and a rank's micro-batch is padded to "
                        "the largest rank's row count (not corrected with the entropy bonus, which is a token mean)")
     if loss_type == "bnpo":
         reasons.append("loss_type='bnpo' divides by the loss tokens of each rank's own micro-batch")
@@ -239,8 +229,8 @@ def per_turn_changes(settings: RowSettings, total_rows: int | None = None) -> st
     return "; ".join(reasons) or None
 
 
-def balance_turn_rows(accelerator, settings: RowSettings, episodes: dict, rows: dict, cost_model: CostModel,
-                      metrics: dict[str, list]) -> dict:
+def balance_turn_rows(accelerator, settings: RowSettings, n_episodes: int, episode: torch.Tensor, rows: dict,
+                      cost_model: CostModel, metrics: dict[str, list]) -> dict:
     """Exchange whole prompt groups of turn rows between ranks so that each rank's per-turn forest costs the same.
 
     A group is a task's `num_generations` episodes with all their turns: their system prompt and shared turns stay in
@@ -250,9 +240,9 @@ def balance_turn_rows(accelerator, settings: RowSettings, episodes: dict, rows: 
     Args:
         accelerator (`accelerate.Accelerator`): the processes.
         settings ([`RowSettings`]): the trainer's settings.
-        episodes (`dict`): this rank's generation batch of episodes (`n` rows), as TRL's
-            `_generate_and_score_completions` returns it.
-        rows (`dict`): its turn rows ([`~trl_dta.trainers.layouts.expand_per_turn`] of `episodes`).
+        n_episodes (`int`): episodes of this rank's generation batch (TRL's `_generate_and_score_completions`).
+        episode (`torch.LongTensor` of shape `(R,)`): the episode of each turn row (`per_turn.episode_of_rows`).
+        rows (`dict`): its turn rows (`per_turn.expand_per_turn` of the episodes).
         cost_model ([`~trl_dta.balance.CostModel`]): cost of a forest.
         metrics (`dict[str, list]`): where the balance's metrics are logged.
 
@@ -261,7 +251,7 @@ def balance_turn_rows(accelerator, settings: RowSettings, episodes: dict, rows: 
         hold whole groups).
     """
     size = settings.num_generations
-    n = num_rows(episodes)
+    n = n_episodes
     if n % size:
         warn_once(
             "balance_groups_per_turn",
@@ -270,7 +260,7 @@ def balance_turn_rows(accelerator, settings: RowSettings, episodes: dict, rows: 
             "Make `per_device_train_batch_size * steps_per_generation` a multiple of `num_generations`.",
         )
         return rows
-    groups = group_ids(accelerator.process_index, n, size)[episode_of_rows(episodes)]  # (R,)
+    groups = group_ids(accelerator.process_index, n, size)[episode]  # (R,)
     seqs = sequences(rows)
     before = gather_object([(forest_stats(seqs), cost_model.forest_cost(seqs) if seqs else 0.0)])
     local, _, result = redistribute(accelerator, rows, groups, pad_token_id=settings.pad_token_id,
@@ -283,127 +273,3 @@ def balance_turn_rows(accelerator, settings: RowSettings, episodes: dict, rows: 
     metrics["dta/rank_cost_imbalance_before_balance"].append(max(costs) / (sum(costs) / len(costs) or 1.0))
     metrics["dta/rank_cost_imbalance"].append(result.imbalance)
     return local
-
-
-def _row_counts(accelerator, rows: dict) -> list[int]:
-    """Turn rows of every rank."""
-    n = num_rows(rows)
-    return gather_object([n]) if accelerator.num_processes > 1 else [n]
-
-
-def row_weights(settings: RowSettings, processes: int, real: list[int], padded: list[int]) -> list[float]:
-    """The factor of each micro-batch's loss that makes a row-mean loss type the one-process objective.
-
-    With `loss_type` `grpo`, `sapo`, `luspo` or `dr_grpo`, TRL divides a rank's micro-batch `k` by its row count,
-    `padded[k]` (padding rows included), and DDP averages the ranks: a row weighs `1 / (processes * padded[k])`. One
-    process would weigh it `1 / real[k]`, `real[k]` being the real rows of micro-batch `k` on all ranks. The factor is
-    `processes * padded[k] / real[k]` (1 for the other loss types, with the entropy bonus, and for a micro-batch
-    without real rows).
-    """
-    if settings.loss_type not in _ROW_NORMALISED or settings.entropy_bonus:
-        return [1.0] * len(padded)
-    return [processes * p / r if r else 1.0 for p, r in zip(padded, real)]
-
-
-def per_turn_buffer(accelerator, settings: RowSettings, episodes: dict, metrics: dict[str, list], balance: bool,
-                    cost_model: CostModel | None = None) -> list[dict]:
-    """A generation's `steps_per_generation` per-turn micro-batches on this rank, any number of processes.
-
-    The episodes become turn rows ([`~trl_dta.trainers.layouts.expand_per_turn`]), exchanged between ranks
-    ([`balance_turn_rows`]) when `balance` and [`per_turn_changes`] allow it, shuffled with TRL's
-    `shuffle_sequence_dict`, and cut into micro-batches that keep every row, with the sizes one process would cut
-    ([`~trl_dta.trainers.layouts.split_sizes_across`]); micro-batch `k` is then padded to the largest rank's count of it
-    (at least one row) with rows that carry no loss, and carries the [`row_weights`] factor under
-    `layouts.ROW_WEIGHT_KEY` where it is not 1. Logs `dta/padding_rows` (padding rows of all ranks per generation).
-
-    Args:
-        accelerator (`accelerate.Accelerator`): the processes.
-        settings ([`RowSettings`]): the trainer's settings.
-        episodes (`dict`): this rank's generation batch of episodes.
-        metrics (`dict[str, list]`): the training metrics (`dta/padding_rows`, the balance's).
-        balance (`bool`): `dta_balance` requested (DTA on, several processes).
-        cost_model ([`~trl_dta.balance.CostModel`], *optional*): cost of a forest, for `balance`.
-    """
-    spg = settings.steps_per_generation
-    pad_id, multiple = settings.pad_token_id, settings.pad_to_multiple_of
-    rows = expand_per_turn(episodes, pad_id, multiple)
-    counts = _row_counts(accelerator, rows)
-    reason = per_turn_changes(settings, sum(counts))
-    if balance and reason:
-        warn_once("balance_exact_per_turn", "dta_balance: ranks keep their turn rows, because exchanging rows between "
-                  f"them would change the updates here: {reason}.")
-    elif balance:
-        rows = balance_turn_rows(accelerator, settings, episodes, rows, cost_model, metrics)
-        counts = _row_counts(accelerator, rows)
-    rows = shuffle_sequence_dict(rows)
-    every = split_sizes_across(counts, spg)  # (processes, spg)
-    pad_to = [max(*column, 1) for column in zip(*every)]
-    real = [sum(column) for column in zip(*every)]
-    metrics["dta/padding_rows"].append(float(sum(pad_to) * len(every) - sum(real)))
-    if reason and len(set(counts)) > 1:
-        warn_once(
-            "per_turn_unequal",
-            f"dta_sample_layout='per_turn': the processes hold different numbers of turn rows ({counts}); each "
-            "micro-batch is padded to the largest rank's count with rows without loss tokens, which leaves the "
-            f"objective the one-process objective only where it does not depend on the rows' ranks. Here it does: "
-            f"{reason}. See the README's per-turn table.",
-        )
-    chunks = split_rows(rows, spg, multiple, sizes=every[accelerator.process_index], pad_to=pad_to,
-                        pad_token_id=pad_id)
-    weights = row_weights(settings, accelerator.num_processes, real, pad_to)
-    for chunk, weight, padded, total in zip(chunks, weights, pad_to, real):
-        if weight != 1.0:
-            chunk[ROW_WEIGHT_KEY] = weight
-        if padded * len(every) != total:
-            chunk[ROW_COUNTS_KEY] = (total, padded * len(every))
-    return chunks
-
-
-def per_turn_eval_rows(accelerator, settings: RowSettings, episodes: dict) -> dict:
-    """The turn rows of an evaluation batch, padded to the largest rank's count (TRL's metric gathers need it), with
-    their [`row_weights`] factor."""
-    pad_id, multiple = settings.pad_token_id, settings.pad_to_multiple_of
-    rows = expand_per_turn(episodes, pad_id, multiple)
-    counts = _row_counts(accelerator, rows)
-    most = max(*counts, 1)
-    if most > num_rows(rows):
-        token = int(rows["prompt_ids"][0][rows["prompt_mask"][0].bool()][0]) if num_rows(rows) else pad_id
-        rows = pad_rows(rows, most - num_rows(rows), token, pad_id)
-    (weight,) = row_weights(settings, accelerator.num_processes, [sum(counts)], [most])
-    if weight != 1.0:
-        rows[ROW_WEIGHT_KEY] = weight
-    if most * len(counts) != sum(counts):
-        rows[ROW_COUNTS_KEY] = (sum(counts), most * len(counts))
-    return rows
-
-
-# TRL's metrics that average one value per sequence over the rows of all ranks (its `global_masked_mean` of a
-# `(B, 1)` tensor: with `importance_sampling_level="sequence"`, and VESPO's weight always), with a padding row's
-# value (no clipping: zero advantage; VESPO's weight of a ratio of 1 is 1).
-_PER_SEQUENCE_METRICS = {"clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": 0.0, "clip_ratio/region_mean": 0.0,
-                         "cispo_clip_ratio": 0.0}
-_ALWAYS_PER_SEQUENCE_METRICS = {"vespo/phi_seq_mean": 1.0}
-
-
-@contextlib.contextmanager
-def unpadded_metrics(metrics: dict[str, list], importance_sampling_level: str, inputs: dict):
-    """Around TRL's `_compute_loss` on a padded per-turn micro-batch: the per-sequence means it logs are corrected to
-    the real rows, `(mean * total - padding * padding_value) / real`, from the micro-batch's `ROW_COUNTS_KEY`.
-
-    TRL's token-level metrics need no correction (a padding row has no token); `clip_ratio/low_min` with
-    sequence-level importance sampling is a minimum over rows, which a padding row's 0 can lower (documented).
-    """
-    counts = inputs.get(ROW_COUNTS_KEY)
-    if counts is None:
-        yield
-        return
-    real, total = counts
-    fixes = dict(_ALWAYS_PER_SEQUENCE_METRICS)
-    if importance_sampling_level == "sequence":
-        fixes.update(_PER_SEQUENCE_METRICS)
-    before = {key: len(metrics.get(key, ())) for key in fixes}
-    yield
-    for key, pad_value in fixes.items():
-        values = metrics.get(key, [])
-        for i in range(before[key], len(values)):
-            values[i] = (values[i] * total - (total - real) * pad_value) / real if real else float("nan")

@@ -28,7 +28,7 @@ from . import _trl
 class StepPhases:
     """Times TRL's `_generate` and `_generate_and_score_completions` (see the module docstring); put it between the
     DTA mixin and the TRL trainer in the bases. The seconds since the last optimizer step live in the hook state
-    (`window.HookState.phase_seconds`)."""
+    (`state.HookState.phase_seconds`)."""
 
     def _generate(self, prompts):
         with self._dta_timed(0):

@@ -12,7 +12,7 @@ advantages and the rows TRL could score.
 
 Hooks. TRL's `_generate_and_score_completions` calls `_generate_single_turn` (the trees) and then
 `_calculate_rewards` (the scorable rows) before it returns the scored batch. The trainer opens one [`TreeGeneration`]
-around that call (its hook state's `generation`, `window.HookState`), the two inner hooks fill it, and the trainer
+around that call (its hook state's `generation`, `state.HookState`), the two inner hooks fill it, and the trainer
 hands it to [`TreeRollouts.score`] explicitly: nothing of one generation outlives the call. TRL's private state is read
 through `_trl.py`.
 """
@@ -25,7 +25,7 @@ import torch
 
 from ..generation.tree_sampling import TREE_OFF, RolloutTree, TreeSampler, check_generation_config
 from . import _trl
-from .policy import check_vllm_rollouts, policy_generator, vllm_generation_config
+from .generator import check_vllm_rollouts, policy_generator, vllm_generation_config
 from .tree_advantages import tree_advantages
 
 # vLLM `SamplingParams` arguments (TRL's `generation_kwargs` with `use_vllm=True`) that act on one position's logits or
@@ -132,8 +132,8 @@ class TreeRollouts:
         """TRL's `_generate_single_turn` for tree rollouts: one completion per row, in TRL's row order.
 
         Args:
-            trainer (`DTAGRPOTrainer`): the trainer (its policy as a generator, `policy.policy_generator`; its metrics;
-                the generation open in its hook state, which receives the trees).
+            trainer (`DTAGRPOTrainer`): the trainer (its policy as a generator, `generator.policy_generator`; its
+                metrics; the generation open in its hook state, which receives the trees).
             prompt_ids (`list[list[int]]`): the process's rows, each prompt repeated `num_generations` times in
                 consecutive rows (TRL's `RepeatSampler`).
             num_generations (`int`): rows per prompt, equal to the product of `dta_tree_branching`.

@@ -8,11 +8,12 @@ user and tool tokens stay out of the loss; every other key is handed to the rewa
 `rollout_func` (the stand-in's `envs.retail.trl.AgentRolloutFunc`, tau2's `envs.tau2.trl.Tau2RolloutFunc`) plays
 its episodes and returns [`episode_columns`]: `prompt_ids` is the episode's prompt and `completion_ids` the rest of
 the conversation (the "episode" layout); the extra keys `turn_spans` (`[[start, end], ...]`, positions of the agent
-turns in `prompt_ids + completion_ids`) and `end_reason` carry what a per-turn layout needs to cut an episode into one
-sample per turn, beside the domain's rewards. Generation uses the trainer's policy as a generator
-(`trl_dta.trainers.policy`: the model held as TRL holds it for generation, ZeRO-3 and FSDP parameters gathered as TRL
-gathers them) and the trainer's sampling settings (`trainer.generation_config`: temperature, top-p, top-k, ...), with
-`max_completion_length` as the budget of each *turn* ([`rollout_meter`]).
+turns in `prompt_ids + completion_ids`) and `end_reason` are for reward functions and logs, beside the domain's
+rewards; the trainer cuts an episode into turns from `env_mask` (TRL's `tool_mask`, `trl_dta.trainers.per_turn`),
+never from `turn_spans`. Generation uses the trainer's policy as a generator (`trl_dta.trainers.generator`: the model
+held as TRL holds it for generation, ZeRO-3 and FSDP parameters gathered as TRL gathers them) and the trainer's
+sampling settings (`trainer.generation_config`: temperature, top-p, top-k, ...), with `max_completion_length` as the
+budget of each *turn* ([`rollout_meter`]).
 
 Generation reuses each episode's key/value cache between turns (`generation_cache=True`, the default:
 [`~trl_dta.generation.CachedGenerate`]): the system prompt and each task's opening are prefilled once per rollout
@@ -50,8 +51,8 @@ from .rollout import Episode
 
 
 def check_vllm_rollouts(trainer, what: str) -> None:
-    """`trl_dta.trainers.policy.check_vllm_rollouts` (imported when a rollout runs: envs/ sits above trainers/)."""
-    from ...trainers.policy import check_vllm_rollouts as check
+    """`trl_dta.trainers.generator.check_vllm_rollouts` (imported when a rollout runs: envs/ sits above trainers/)."""
+    from ...trainers.generator import check_vllm_rollouts as check
 
     check(trainer, what)
 
@@ -101,10 +102,10 @@ class RolloutMeter:
 
 @contextlib.contextmanager
 def rollout_meter(trainer, tokenizer, generation_cache: bool):
-    """The trainer's policy as a generator (`trl_dta.trainers.policy.policy_generator`: unwrapped as TRL does, with
+    """The trainer's policy as a generator (`trl_dta.trainers.generator.policy_generator`: unwrapped as TRL does, with
     the trainer's sampling settings; [`~trl_dta.generation.CachedGenerate`] or the re-prefill path), in a
     [`RolloutMeter`]."""
-    from ...trainers.policy import policy_generator
+    from ...trainers.generator import policy_generator
 
     with policy_generator(trainer, tokenizer, cache=generation_cache) as generator:
         yield RolloutMeter(generator)

@@ -1,13 +1,11 @@
-"""Training-sample layouts of multi-turn episodes: TRL's one row per episode, or one row per assistant turn.
+"""Per-turn rows (`dta_sample_layout="per_turn"`): expand TRL's episodes into one row per assistant turn, split them
+into micro-batches that keep every row, pad the ranks' micro-batches to equal counts, and weigh their losses.
 
-A multi-turn rollout (TRL's `rollout_func` with an `env_mask`, or its `tools=` loop) gives one row per episode: the
-prompt, then a completion in which the policy's turns alternate with user and tool tokens, the latter masked out of
-the loss by `tool_mask`. `dta_sample_layout` chooses how the trainer learns from it:
-
-- `"episode"`: TRL's rows, unchanged (one sequence per episode, `completion_mask * tool_mask` selects the loss tokens).
-- `"per_turn"`: one row per assistant turn, as AReaL trains tau2-bench. Turn `t` is a maximal run of ones of
-  `completion_mask * tool_mask`, columns `[s_t, e_t)` of the completion; its row's prompt is the conversation the
-  policy saw when it wrote the turn, its completion is the turn:
+A multi-turn rollout gives TRL one row per episode, the policy's turns alternating with user and tool tokens that
+`tool_mask` masks out of the loss. The trainer reads the turns from that mask, TRL's own contract (a `rollout_func`'s
+`env_mask`, or TRL's `tools=` loop), not from a rollout column: turn `t` is a maximal run of ones of
+`completion_mask * tool_mask`, columns `[s_t, e_t)` of the completion; its row's prompt is the conversation the policy
+saw when it wrote the turn, its completion is the turn:
 
 ```
 episode row      prompt [ . . p p p ]  completion [ a a u u u a a a t t a . . ]      a: policy, u/t: user/tool
@@ -17,59 +15,38 @@ per-turn rows    [ . . . . . . . . . p p p ]                       [ a a . ]    
                  [ p p p a a u u u a a a t t ]                     [ a . . ]           turn 2
 ```
 
-  The turns of an episode are nested prefixes of each other, and a turn's prompt is exactly what the policy was
-  conditioned on, so its tokens' log-probs are the episode row's, column for column. Every row carries its episode's
-  advantage (computed by TRL per group of `num_generations` episodes); per-token tensors (`old_per_token_logps`,
-  `ref_per_token_logps`, `sampling_per_token_logps`, token-level `importance_sampling_ratio`) are cut like the
-  completion, per-episode ones (`advantages`, a sequence-level `importance_sampling_ratio`) repeated.
-  `num_items_in_batch` (TRL: the loss tokens `completion_mask * tool_mask` of the whole generation batch, summed
-  over processes) counts the same tokens in both layouts and is kept. An episode without policy tokens (e.g. masked
-  by `mask_truncated_completions`) gives no row.
+The turns of an episode are nested prefixes of each other, so a turn's log-probs are the episode row's, column for
+column. Every row carries its episode's advantage; per-token tensors are cut like the completion, per-episode ones
+repeated; `num_items_in_batch` is kept. An episode without policy tokens gives no row. What each `loss_type`'s
+objective becomes: `docs/agents.md`. The same micro-batches serve `dta_enabled=True` and `False`.
 
-What the objective becomes per `loss_type` in the per-turn layout (TRL's `_compute_loss`, applied to the per-turn
-micro-batches; `gas` = gradient accumulation steps, `spg` = steps per generation):
+A generation's flow ([`per_turn_buffer`]): [`expand_per_turn`]; with `dta_balance` on several processes, whole prompt
+groups of turn rows exchanged between ranks (`micro_batches.balance_turn_rows`) where `micro_batches.per_turn_changes`
+allows it; TRL's `shuffle_sequence_dict`; [`split_rows`] into `steps_per_generation` micro-batches of the sizes one
+process would cut ([`split_sizes_across`]; TRL's `split_tensor_dict` would drop `rows % steps_per_generation` rows),
+micro-batch `k` of every rank padded to the largest rank's count of it with [`pad_rows`] (rows without loss tokens);
+the row-mean loss types' factor [`row_weights`] (read by [`row_weight`]); [`unpadded_metrics`] for TRL's metrics:
 
-| `loss_type`     | normaliser in TRL                                | in the per-turn layout                          |
-|-----------------|--------------------------------------------------|-------------------------------------------------|
-| `dapo`, `cispo` | `num_items_in_batch / processes * gas / spg`     | unchanged: every policy token weighs as in the  |
-|                 |                                                  | episode layout (the same objective when `gas`   |
-|                 |                                                  | is a multiple of `spg`, token-level ratios)     |
-| `vespo`         | as `dapo`; the gamma weight is per sequence      | the weight is per turn                          |
-| `grpo`, `sapo`  | token mean per row, mean over the rows           | each turn is a row: turns, not episodes, are    |
-|                 | of the micro-batch                               | averaged, with 1 / (rows of its micro-batch)    |
-| `luspo`         | token sum per row, mean over the rows            | as `grpo`: a turn's token sum per row           |
-| `bnpo`          | the micro-batch's policy tokens                  | the same formula, on per-turn micro-batches     |
-| `dr_grpo`       | rows x `max_completion_length`                   | turns x `max_completion_length` (the per-turn   |
-|                 |                                                  | budget with `trl_dta.envs.AgentRolloutFunc`)    |
-
-Sequence-level statistics become per-turn: `importance_sampling_level="sequence"` averages the log-ratio over the
-turn, `off_policy_mask_threshold` masks turns; a vLLM sequence-level importance ratio stays the episode's. The entropy
-bonus is a token mean over the micro-batch, as in TRL.
-
-Splitting: the number of per-turn rows varies from one generation (and process) to the next, and TRL's
-`split_tensor_dict` would drop `rows % steps_per_generation` of them. [`split_rows`] keeps every row: after TRL's
-`shuffle_sequence_dict`, `steps_per_generation` contiguous micro-batches of `rows // spg` or `rows // spg + 1` rows,
-each trimmed to its own padded width. The same split serves `dta_enabled=True` and `False`, so DTA and TRL's dense path
-train on the same micro-batches.
-
-Several processes: each rank holds its own number of turn rows, but TRL's `_compute_loss` gathers one value per row
-across processes (`clip_ratio/low_min`, `clip_ratio/high_max`), and DDP needs every rank to run every micro-step. So
-micro-batch `k` of every rank is padded with [`pad_rows`] to the largest rank's count of it (and to at least one row):
-rows without loss tokens (`completion_mask` zero, a one-token prompt, zero advantage), whose loss terms and gradients
-are exactly zero and which TRL's token-masked metrics ignore (a row without tokens gives NaN to `masked_seq_mean`,
-which `nanmin`/`nanmax` skip, and nothing to the token sums of `global_masked_mean`). What the padding does to each
-`loss_type`'s normaliser, hence whether the objective is the one-process objective, is `trainers/micro_batches.py`'s
-[`per_turn_changes`] and the README's table.
+```
+rank 0 turn rows: 7 -> micro-batches of 4, 3          padded to 4, 3    (the largest rank's counts)
+rank 1 turn rows: 5 -> micro-batches of 2, 3          padded to 4, 3    ("+": a row without loss tokens)
+                       (all ranks: 6, 6, as 1 process) rank 0: [r r r r] [r r r]    rank 1: [r r + +] [r r r]
+```
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
+from accelerate.utils import gather_object
+from trl.trainer.utils import shuffle_sequence_dict
 
-from .._checks import check_int
+from .._checks import check_int, warn_once
+from ..balance import CostModel
 from ..batch import VISION_KEYS, num_rows
+from .micro_batches import ROW_NORMALISED, RowSettings, balance_turn_rows, per_turn_changes
 
 # Keys of TRL's generation batch whose columns are the completion's (B, C): cut per turn.
 PER_TOKEN_KEYS = ("old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps")
@@ -201,11 +178,16 @@ def _trim(batch: dict, pad_to_multiple_of: int | None) -> dict:
 
 
 # Key of a per-turn micro-batch whose value (a float) multiplies its loss: the row-count correction of the row-mean
-# loss types on several processes (`micro_batches.per_turn_buffer`). Absent: 1.
+# loss types on several processes ([`per_turn_buffer`]). Absent: 1.
 ROW_WEIGHT_KEY = "dta_row_weight"
 # Key of a padded per-turn micro-batch whose value `(real, total)` counts its real rows and all its rows on all ranks,
-# for the metrics TRL averages over rows (`micro_batches.unpadded_metrics`). Absent: no padding row anywhere.
+# for the metrics TRL averages over rows ([`unpadded_metrics`]). Absent: no padding row anywhere.
 ROW_COUNTS_KEY = "dta_row_counts"
+
+
+def row_weight(inputs: dict) -> float:
+    """The factor of a micro-batch's loss ([`row_weights`], under [`ROW_WEIGHT_KEY`]); 1 for any other batch."""
+    return inputs.get(ROW_WEIGHT_KEY, 1.0)
 
 
 def split_sizes(rows: int, num_chunks: int) -> list[int]:
@@ -340,21 +322,128 @@ def split_rows(batch: dict, num_chunks: int, pad_to_multiple_of: int | None = No
     return chunks
 
 
-def per_turn_micro_batches(batch: dict, num_chunks: int, pad_token_id: int,
-                           pad_to_multiple_of: int | None = None) -> list[dict]:
-    """A process's generation batch of episodes -> its `num_chunks` per-turn micro-batches (one process).
-
-    The episodes are expanded into turn rows ([`expand_per_turn`]), the rows shuffled with TRL's
-    `shuffle_sequence_dict` (the draw TRL makes for its episode rows) and split with [`split_rows`]. The trainer's
-    version for any number of processes (padding, `dta_balance`) is `micro_batches.per_turn_buffer`.
-    """
-    from trl.trainer.utils import shuffle_sequence_dict
-
-    rows = shuffle_sequence_dict(expand_per_turn(batch, pad_token_id, pad_to_multiple_of))
-    return split_rows(rows, num_chunks, pad_to_multiple_of)
-
-
 def episode_of_rows(batch: dict) -> torch.Tensor:
     """The episode (row of TRL's generation batch) of each row [`expand_per_turn`] makes from `batch`, shape `(R,)`."""
     spans = turn_spans(batch["completion_mask"] * batch["tool_mask"])
     return torch.tensor([b for b, turns in enumerate(spans) for _ in turns], dtype=torch.long)
+
+
+def _row_counts(accelerator, rows: dict) -> list[int]:
+    """Turn rows of every rank."""
+    n = num_rows(rows)
+    return gather_object([n]) if accelerator.num_processes > 1 else [n]
+
+
+def row_weights(settings: RowSettings, processes: int, real: list[int], padded: list[int]) -> list[float]:
+    """The factor of each micro-batch's loss that makes a row-mean loss type the one-process objective.
+
+    With `loss_type` `grpo`, `sapo`, `luspo` or `dr_grpo`, TRL divides a rank's micro-batch `k` by its row count,
+    `padded[k]` (padding rows included), and DDP averages the ranks: a row weighs `1 / (processes * padded[k])`. One
+    process would weigh it `1 / real[k]`, `real[k]` being the real rows of micro-batch `k` on all ranks. The factor is
+    `processes * padded[k] / real[k]` (1 for the other loss types, with the entropy bonus, and for a micro-batch
+    without real rows).
+    """
+    if settings.loss_type not in ROW_NORMALISED or settings.entropy_bonus:
+        return [1.0] * len(padded)
+    return [processes * p / r if r else 1.0 for p, r in zip(padded, real)]
+
+
+def per_turn_buffer(accelerator, settings: RowSettings, episodes: dict, metrics: dict[str, list], balance: bool,
+                    cost_model: CostModel | None = None) -> list[dict]:
+    """A generation's `steps_per_generation` per-turn micro-batches on this rank, any number of processes.
+
+    The module docstring's flow: expand, balance (when `balance` and `micro_batches.per_turn_changes` allow it),
+    shuffle, split, pad, weigh. Logs `dta/padding_rows` (padding rows of all ranks per generation).
+
+    Args:
+        accelerator (`accelerate.Accelerator`): the processes.
+        settings ([`RowSettings`]): the trainer's settings.
+        episodes (`dict`): this rank's generation batch of episodes.
+        metrics (`dict[str, list]`): the training metrics (`dta/padding_rows`, the balance's).
+        balance (`bool`): `dta_balance` requested (DTA on, several processes).
+        cost_model ([`~trl_dta.balance.CostModel`], *optional*): cost of a forest, for `balance`.
+    """
+    spg = settings.steps_per_generation
+    pad_id, multiple = settings.pad_token_id, settings.pad_to_multiple_of
+    rows = expand_per_turn(episodes, pad_id, multiple)
+    counts = _row_counts(accelerator, rows)
+    reason = per_turn_changes(settings, sum(counts))
+    if balance and reason:
+        warn_once("balance_exact_per_turn", "dta_balance: ranks keep their turn rows, because exchanging rows between "
+                  f"them would change the updates here: {reason}.")
+    elif balance:
+        rows = balance_turn_rows(accelerator, settings, num_rows(episodes), episode_of_rows(episodes), rows,
+                                 cost_model, metrics)
+        counts = _row_counts(accelerator, rows)
+    rows = shuffle_sequence_dict(rows)
+    every = split_sizes_across(counts, spg)  # (processes, spg)
+    pad_to = [max(*column, 1) for column in zip(*every)]
+    real = [sum(column) for column in zip(*every)]
+    metrics["dta/padding_rows"].append(float(sum(pad_to) * len(every) - sum(real)))
+    if reason and len(set(counts)) > 1:
+        warn_once(
+            "per_turn_unequal",
+            f"dta_sample_layout='per_turn': the processes hold different numbers of turn rows ({counts}); each "
+            "micro-batch is padded to the largest rank's count with rows without loss tokens, which leaves the "
+            f"objective the one-process objective only where it does not depend on the rows' ranks. Here it does: "
+            f"{reason}. See the README's per-turn table.",
+        )
+    chunks = split_rows(rows, spg, multiple, sizes=every[accelerator.process_index], pad_to=pad_to,
+                        pad_token_id=pad_id)
+    weights = row_weights(settings, accelerator.num_processes, real, pad_to)
+    for chunk, weight, padded, total in zip(chunks, weights, pad_to, real):
+        if weight != 1.0:
+            chunk[ROW_WEIGHT_KEY] = weight
+        if padded * len(every) != total:
+            chunk[ROW_COUNTS_KEY] = (total, padded * len(every))
+    return chunks
+
+
+def per_turn_eval_rows(accelerator, settings: RowSettings, episodes: dict) -> dict:
+    """The turn rows of an evaluation batch, padded to the largest rank's count (TRL's metric gathers need it), with
+    their [`row_weights`] factor."""
+    pad_id, multiple = settings.pad_token_id, settings.pad_to_multiple_of
+    rows = expand_per_turn(episodes, pad_id, multiple)
+    counts = _row_counts(accelerator, rows)
+    most = max(*counts, 1)
+    if most > num_rows(rows):
+        token = int(rows["prompt_ids"][0][rows["prompt_mask"][0].bool()][0]) if num_rows(rows) else pad_id
+        rows = pad_rows(rows, most - num_rows(rows), token, pad_id)
+    (weight,) = row_weights(settings, accelerator.num_processes, [sum(counts)], [most])
+    if weight != 1.0:
+        rows[ROW_WEIGHT_KEY] = weight
+    if most * len(counts) != sum(counts):
+        rows[ROW_COUNTS_KEY] = (sum(counts), most * len(counts))
+    return rows
+
+
+# TRL's metrics that average one value per sequence over the rows of all ranks (its `global_masked_mean` of a
+# `(B, 1)` tensor: with `importance_sampling_level="sequence"`, and VESPO's weight always), with a padding row's
+# value (no clipping: zero advantage; VESPO's weight of a ratio of 1 is 1).
+_PER_SEQUENCE_METRICS = {"clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": 0.0, "clip_ratio/region_mean": 0.0,
+                         "cispo_clip_ratio": 0.0}
+_ALWAYS_PER_SEQUENCE_METRICS = {"vespo/phi_seq_mean": 1.0}
+
+
+@contextlib.contextmanager
+def unpadded_metrics(metrics: dict[str, list], importance_sampling_level: str, inputs: dict):
+    """Around TRL's `_compute_loss` on a padded per-turn micro-batch: the per-sequence means it logs are corrected to
+    the real rows, `(mean * total - padding * padding_value) / real`, from the micro-batch's `ROW_COUNTS_KEY`.
+
+    TRL's token-level metrics need no correction (a padding row has no token); `clip_ratio/low_min` with
+    sequence-level importance sampling is a minimum over rows, which a padding row's 0 can lower (documented).
+    """
+    counts = inputs.get(ROW_COUNTS_KEY)
+    if counts is None:
+        yield
+        return
+    real, total = counts
+    fixes = dict(_ALWAYS_PER_SEQUENCE_METRICS)
+    if importance_sampling_level == "sequence":
+        fixes.update(_PER_SEQUENCE_METRICS)
+    before = {key: len(metrics.get(key, ())) for key in fixes}
+    yield
+    for key, pad_value in fixes.items():
+        values = metrics.get(key, [])
+        for i in range(before[key], len(values)):
+            values[i] = (values[i] * total - (total - real) * pad_value) / real if real else float("nan")

@@ -1,4 +1,4 @@
-"""Data-parallel DTA: one balanced forest per rank, and one gradient reduction per optimizer step.
+"""Rows exchanged between ranks (`dta_balance`): one balanced forest per rank.
 
 After the rollouts of a step are generated and scored, every rank holds an equal number of rows, and a prompt's group
 may straddle two ranks. [`redistribute`] gathers the global batch, cuts it into one forest per rank with
@@ -11,28 +11,21 @@ rank 1:                                          g2 ................   (cost 1.0
 ```
 
 Ranks then hold different numbers of rows; the loss normalisers TRL uses for its default objectives are global counts
-(`num_items_in_batch`), so the sum of the ranks' gradients is still the single-process gradient.
-
-The engine back-propagates many times per micro-batch, through the unwrapped model. DDP's reducer only arms its hooks
-in its own `forward`, so those backward calls never synchronise; [`all_reduce_gradients`] averages the gradients once,
-explicitly, at the end of each accumulation window (in bucketed, flattened all-reduces).
+(`num_items_in_batch`), so the sum of the ranks' gradients is still the single-process gradient. The regroupings that
+call it: `micro_batches.balance_ranks` (episode rows, equal counts) and `micro_batches.balance_turn_rows` (turn rows).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
-import torch.distributed as dist
 
-from .balance import CostModel, Partition, partition
-from .batch import num_rows, sequences, take_rows
-from .refusal import DISTRIBUTED, TRAINER_ALTERNATIVE, TRAINER_CONFIG, Blocker, refuse
-from .tree import PrefixTree
+from ..balance import CostModel, Partition, partition
+from ..batch import num_rows, sequences, take_rows
+from ..refusal import DISTRIBUTED, TRAINER_ALTERNATIVE, TRAINER_CONFIG, Blocker, refuse
+from ..tree import PrefixTree
 
 # Keys of a TRL generation batch whose second dimension is the (left-padded) prompt.
 _PROMPT_KEYS = ("prompt_ids", "prompt_mask")
-_BUCKET_BYTES = 32 * 1024 * 1024
 
 
 def gather_batch(accelerator, batch: dict, pad_token_id: int) -> dict:
@@ -40,7 +33,7 @@ def gather_batch(accelerator, batch: dict, pad_token_id: int) -> dict:
 
     Per-row tensors are padded to the widest rank first (prompt tensors on the left, everything else on the right);
     scalars (`num_items_in_batch`) are already global and kept; None stays None. Ranks may hold different numbers of
-    rows (per-turn rows, `trainers/layouts.py`): the rows are then padded to the largest count for the gather and the
+    rows (per-turn rows, `per_turn.py`): the rows are then padded to the largest count for the gather and the
     padding dropped from the result.
     """
     from accelerate.utils import gather_object
@@ -103,40 +96,3 @@ def redistribute(
                        equal_count=equal_count)
     mine = torch.tensor(sorted(result.parts[accelerator.process_index]), dtype=torch.long)
     return take_rows(full, mine), groups[mine], result
-
-
-def trainable_parameters(model) -> list[torch.nn.Parameter]:
-    """Parameters that receive gradients, in a fixed order (the same on every rank)."""
-    return [p for p in model.parameters() if p.requires_grad]
-
-
-@torch.no_grad()
-def all_reduce_gradients(params: Iterable[torch.nn.Parameter], world_size: int, group=None) -> None:
-    """Average `.grad` over all ranks, in place, as DDP would (sum / world size).
-
-    Every rank must pass the same parameters in the same order; a missing gradient counts as zeros (and is then
-    allocated), so that a rank whose micro-batches did not touch a parameter still takes part in its reduction.
-    """
-    params = list(params)
-    if world_size == 1 or not params:
-        return
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for p in params + [None]:
-        if p is not None and (not bucket or (size + p.grad.nbytes <= _BUCKET_BYTES and p.grad.dtype == bucket[0].dtype
-                                             and p.grad.device == bucket[0].device)):
-            bucket.append(p.grad)
-            size += p.grad.nbytes
-            continue
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        flat.div_(world_size)
-        offset = 0
-        for g in bucket:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-        if p is not None:
-            bucket, size = [p.grad], p.grad.nbytes

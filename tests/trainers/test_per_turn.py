@@ -1,4 +1,4 @@
-"""The per-turn layout (`trainers/layouts.py`): turn spans, the expansion of TRL's episode batch into one row per
+"""The per-turn layout (`trainers/per_turn.py`): turn spans, the expansion of TRL's episode batch into one row per
 assistant turn, the split that keeps every row, and the log-probs of a real model in both layouts.
 
 Episodes come from the real retail environment (`trl_dta.envs`) played by a scripted policy ([`scripted_episodes`]):
@@ -14,24 +14,23 @@ from collections import Counter
 
 import pytest
 import torch
-from trl.trainer.utils import pad
+from trl.trainer.utils import pad, shuffle_sequence_dict
 
 from bounds import UNIT_ROUNDOFF
 from conftest import use_input_dtype_norms
 from trl_dta.demos.tiny import build_model, build_tokenizer
 from trl_dta.envs import RetailDomain, layout_sequences, play_episodes
 from trl_dta.generation import Generation
-from trl_dta.trainers.layouts import (
+from trl_dta.trainers.per_turn import (
     ROW_COUNTS_KEY,
     expand_per_turn,
     pad_rows,
-    per_turn_micro_batches,
     split_rows,
     split_sizes,
     split_sizes_across,
     turn_spans,
+    unpadded_metrics,
 )
-from trl_dta.trainers.micro_batches import unpadded_metrics
 
 MAX_TURNS = 3
 MAX_TURN_TOKENS = 64
@@ -237,6 +236,15 @@ def test_split_keeps_every_row(episodes, tokenizer):
         assert chunk["prompt_ids"].shape[1] < padded["prompt_ids"].shape[1] + 8
     with pytest.raises(ValueError, match=f"{n} rows on this process, fewer than `steps_per_generation={n + 1}`"):
         split_rows(rows, n + 1)
+
+
+def per_turn_micro_batches(batch: dict, num_chunks: int, pad_token_id: int,
+                           pad_to_multiple_of: int | None = None) -> list[dict]:
+    """A process's generation batch of episodes -> its `num_chunks` per-turn micro-batches (one process): the episodes
+    expanded into turn rows, shuffled with TRL's `shuffle_sequence_dict` (the draw TRL makes for its episode rows) and
+    split with `split_rows`. The trainer's version for any number of processes is `per_turn.per_turn_buffer`."""
+    rows = shuffle_sequence_dict(expand_per_turn(batch, pad_token_id, pad_to_multiple_of))
+    return split_rows(rows, num_chunks, pad_to_multiple_of)
 
 
 def test_per_turn_micro_batches(episodes, tokenizer):
