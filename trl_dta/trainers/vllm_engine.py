@@ -11,8 +11,9 @@ from . import _trl, vllm_cpu
 
 def colocated_engine(trainer, args) -> contextlib.AbstractContextManager:
     """Around the TRL trainer's construction: its colocated engine (`use_vllm=True, vllm_mode="colocate"`) built with
-    the CPU settings when vLLM runs on a CPU (`enforce_eager`, the policy's dtype, oneDNN off, the environment's
-    defaults), in the policy's dtype read from `trainer.model` when TRL builds the engine (after loading the model).
+    the CPU settings when vLLM runs on a CPU (`enforce_eager`, the policy's dtype, linear weights kept as parameters,
+    the environment's defaults), in the policy's dtype read from `trainer.model` when TRL builds the engine (after
+    loading the model).
 
     Args:
         trainer (`GRPOTrainer`): the trainer under construction.
