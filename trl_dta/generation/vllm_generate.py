@@ -33,8 +33,8 @@ Log-probs are the sampled tokens' log-probs of the distribution they were drawn 
 truncations: vLLM's `processed_logprobs` mode, which TRL sets on its colocated engine (and which
 [`VLLMGenerate`] requires, since raw log-probs would mean another distribution than the transformers generators').
 
-What vLLM needs on a CPU (its key/value space, eager mode, the policy's dtype, linear weights kept for weight syncs) is set where
-the engine is built (`trainers/vllm_cpu.py`), not here: this module only samples an engine it is given.
+What vLLM needs on a CPU (its key/value space, eager mode, the policy's dtype, linear weights kept for weight syncs)
+is set where the engine is built (`trainers/vllm_cpu.py`), not here: this module only samples an engine it is given.
 """
 
 from __future__ import annotations
